@@ -1,0 +1,1 @@
+"""hf_hybrid: hybrid predictive training for the Hugging Face Trainer."""
