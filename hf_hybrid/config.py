@@ -1,0 +1,148 @@
+"""`HybridTrainingArguments`: the Trainer's arguments plus the hybrid flags.
+
+Each field shows in `HfArgumentParser(...)` `--help`. `HybridHFTrainer` also accepts a plain
+`TrainingArguments`; it then uses the defaults below (`hybrid_settings`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from types import SimpleNamespace
+from typing import Literal
+
+from transformers import TrainingArguments
+
+from .predictors import PREDICTORS
+
+PredictorName = Literal["velocity", "adam"]
+
+
+@dataclass
+class HybridTrainingArguments(TrainingArguments):
+    r"""
+    [`~transformers.TrainingArguments`] plus the settings of hybrid predictive training.
+
+    Parameters:
+        hybrid (`bool`, defaults to `True`):
+            Turn hybrid training on. `False` makes [`HybridHFTrainer`] the plain `Trainer`, bit for bit.
+        hybrid_warmup_steps (`int`, defaults to `100`):
+            Plain optimizer steps at the start that only collect statistics.
+        hybrid_full_steps (`int`, defaults to `20`):
+            Plain steps in a Full phase before a prediction may start; doubles after each prediction that is
+            rolled back or does not pay. At least 1.
+        hybrid_min_predict_steps (`int`, defaults to `2`):
+            Shortest Predict phase.
+        hybrid_max_predict_steps (`int`, defaults to `15`):
+            Longest Predict phase; the length grows with the square of the confidence.
+        hybrid_correct_steps (`int`, defaults to `2`):
+            Real steps after each Predict phase that measure the prediction's residual and correct it.
+        hybrid_confidence_threshold (`float`, defaults to `0.6`):
+            Confidence in [0, 1] needed to start predicting; 0 predicts whenever the schedule allows, 1 never
+            (unless the confidence is exactly 1).
+        hybrid_max_consecutive_predicts (`int`, defaults to `5`):
+            Predict/Correct cycles in a row before a Full phase is forced.
+        hybrid_predictor (`str`, defaults to `"velocity"`):
+            How deltas are predicted: `velocity` (EMA of real updates per unit learning rate, one extra
+            parameter-sized buffer) or `adam` (AdamW's step with its moments held fixed, no extra buffer).
+        hybrid_velocity_beta (`float`, defaults to `0.95`):
+            EMA decay of the `velocity` predictor, in [0, 1).
+        hybrid_monitor_interval (`int`, defaults to `1`):
+            Run a forward pass to check the loss on every N-th predicted step (and always on a phase's last);
+            skipped steps cost almost nothing but are unchecked until the next check.
+        hybrid_loss_band (`float`, defaults to `3.0`):
+            Roll back when a predicted step's loss is more than this many standard deviations above the
+            forecast loss.
+        hybrid_grad_explosion_factor (`float`, defaults to `10.0`):
+            Roll back when the first real step after a prediction has a gradient norm this many times its trend.
+        hybrid_payoff_check (`bool`, defaults to `True`):
+            Compare loss progress per unit of cost after each prediction with plain training's, and back off
+            (longer Full phases) while prediction does not pay.
+        hybrid_predict_step_cost (`float`, defaults to `0.35`):
+            Cost of a monitored predicted step relative to a real one, used by the payoff check (a forward is
+            about a third of forward+backward+step). The benchmark measures it; a fixed number keeps decisions
+            identical across ranks and across resumes.
+        hybrid_trace (`bool`, defaults to `True`):
+            Write one JSON line per optimizer step to `<output_dir>/hybrid_trace.jsonl` (main process).
+        hybrid_vram_min_free_mb (`float`, defaults to `0.0`):
+            On a GPU, ask for a checkpoint when free memory falls below this many MB. 0 turns it off.
+    """
+
+    hybrid: bool = field(default=True, metadata={"help": "Turn hybrid predictive training on (false = plain Trainer)."})
+    hybrid_warmup_steps: int = field(default=100, metadata={"help": "Plain steps that only collect statistics."})
+    hybrid_full_steps: int = field(
+        default=20, metadata={"help": "Plain steps per Full phase before predicting (>= 1); doubles on back-off."}
+    )
+    hybrid_min_predict_steps: int = field(default=2, metadata={"help": "Shortest Predict phase."})
+    hybrid_max_predict_steps: int = field(default=15, metadata={"help": "Longest Predict phase."})
+    hybrid_correct_steps: int = field(default=2, metadata={"help": "Real steps after each Predict phase."})
+    hybrid_confidence_threshold: float = field(
+        default=0.6, metadata={"help": "Confidence in [0, 1] needed to predict; 0 = whenever the schedule allows."}
+    )
+    hybrid_max_consecutive_predicts: int = field(
+        default=5, metadata={"help": "Predict/Correct cycles in a row before a Full phase is forced."}
+    )
+    hybrid_predictor: PredictorName = field(default="velocity", metadata={"help": "Delta predictor."})
+    hybrid_velocity_beta: float = field(default=0.95, metadata={"help": "EMA decay of the velocity predictor."})
+    hybrid_monitor_interval: int = field(
+        default=1, metadata={"help": "Check the loss with a forward pass on every N-th predicted step."}
+    )
+    hybrid_loss_band: float = field(
+        default=3.0, metadata={"help": "Roll back when a predicted loss exceeds the forecast by this many sigmas."}
+    )
+    hybrid_grad_explosion_factor: float = field(
+        default=10.0, metadata={"help": "Roll back when the gradient norm after a prediction is this x its trend."}
+    )
+    hybrid_payoff_check: bool = field(
+        default=True, metadata={"help": "Back off while prediction gains less loss per unit cost than real steps."}
+    )
+    hybrid_predict_step_cost: float = field(
+        default=0.35, metadata={"help": "Cost of a monitored predicted step / a real step, for the payoff check."}
+    )
+    hybrid_trace: bool = field(default=True, metadata={"help": "Write <output_dir>/hybrid_trace.jsonl."})
+    hybrid_vram_min_free_mb: float = field(
+        default=0.0, metadata={"help": "GPU: checkpoint when free VRAM falls below this (MB); 0 = off."}
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        validate_hybrid_settings(self)
+
+
+HYBRID_FIELDS = [f for f in fields(HybridTrainingArguments) if f.name.startswith("hybrid")]
+
+
+def validate_hybrid_settings(settings) -> None:
+    """Raise ValueError naming the flag for any out-of-range hybrid setting."""
+
+    def bad(flag: str, why: str) -> None:
+        raise ValueError(f"--{flag}: {why} (got {getattr(settings, flag)!r})")
+
+    for flag in ("hybrid_warmup_steps", "hybrid_correct_steps"):
+        if getattr(settings, flag) < 0:
+            bad(flag, "must be >= 0")
+    for flag in ("hybrid_full_steps", "hybrid_min_predict_steps", "hybrid_max_consecutive_predicts",
+                 "hybrid_monitor_interval"):
+        if getattr(settings, flag) < 1:
+            bad(flag, "must be >= 1")
+    if settings.hybrid_max_predict_steps < settings.hybrid_min_predict_steps:
+        bad("hybrid_max_predict_steps", f"must be >= hybrid_min_predict_steps ({settings.hybrid_min_predict_steps})")
+    if not 0.0 <= settings.hybrid_confidence_threshold <= 1.0:
+        bad("hybrid_confidence_threshold", "must be in [0, 1]")
+    if settings.hybrid_predictor not in PREDICTORS:
+        bad("hybrid_predictor", f"must be one of {sorted(PREDICTORS)}")
+    if not 0.0 <= settings.hybrid_velocity_beta < 1.0:
+        bad("hybrid_velocity_beta", "must be in [0, 1)")
+    for flag in ("hybrid_loss_band", "hybrid_grad_explosion_factor", "hybrid_predict_step_cost"):
+        if not getattr(settings, flag) > 0:
+            bad(flag, "must be > 0")
+    if settings.hybrid_vram_min_free_mb < 0:
+        bad("hybrid_vram_min_free_mb", "must be >= 0")
+
+
+def hybrid_settings(args: TrainingArguments) -> HybridTrainingArguments | SimpleNamespace:
+    """The hybrid settings of `args`: its own fields, or the defaults for a plain `TrainingArguments`."""
+    if isinstance(args, HybridTrainingArguments):
+        return args
+    settings = SimpleNamespace(**{f.name: getattr(args, f.name, f.default) for f in HYBRID_FIELDS})
+    validate_hybrid_settings(settings)
+    return settings

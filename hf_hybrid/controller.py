@@ -1,0 +1,151 @@
+"""The phase state machine: which kind of optimizer step comes next.
+
+Pure Python on purpose (no torch): every rank runs its own copy and must reach the same decision from
+the same rank-identical inputs, and a pure machine is easy to test exhaustively and to checkpoint.
+
+    WARMUP --warmup_steps--> FULL --(>= full_required steps, ready, confident)--> PREDICT
+    PREDICT --planned length--> CORRECT --correct_steps--> PREDICT again while confident, else FULL
+    PREDICT/CORRECT --abort (divergence, rollback)--> FULL
+
+`full_required` starts at `full_steps` and doubles (up to `max_backoff` doublings) each time a
+prediction is rolled back or fails to pay for itself, and halves back when one pays: when prediction
+does not pay, the controller stops paying for it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+
+
+class Phase(str, Enum):
+    WARMUP = "warmup"
+    FULL = "full"
+    PREDICT = "predict"
+    CORRECT = "correct"
+
+    @property
+    def has_backward(self) -> bool:
+        return self is not Phase.PREDICT
+
+
+PHASE_IDS = {Phase.WARMUP: 0, Phase.FULL: 1, Phase.PREDICT: 2, Phase.CORRECT: 3}
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    warmup_steps: int = 100
+    full_steps: int = 20
+    min_predict_steps: int = 1
+    max_predict_steps: int = 15
+    correct_steps: int = 2
+    confidence_threshold: float = 0.85
+    max_consecutive_predicts: int = 5
+    max_backoff: int = 6
+
+    def __post_init__(self) -> None:
+        if self.warmup_steps < 0 or self.correct_steps < 0:
+            raise ValueError("warmup_steps and correct_steps must be >= 0")
+        if self.full_steps < 1:
+            raise ValueError("full_steps must be >= 1")
+        if not 1 <= self.min_predict_steps <= self.max_predict_steps:
+            raise ValueError("need 1 <= min_predict_steps <= max_predict_steps")
+        if not 0.0 <= self.confidence_threshold <= 1.0:
+            raise ValueError("confidence_threshold must be in [0, 1]")
+        if self.max_consecutive_predicts < 1 or self.max_backoff < 0:
+            raise ValueError("max_consecutive_predicts must be >= 1 and max_backoff >= 0")
+
+
+@dataclass
+class PhaseController:
+    config: ControllerConfig
+    phase: Phase = Phase.WARMUP
+    steps_in_phase: int = 0
+    planned_predict_steps: int = 0
+    consecutive_predicts: int = 0
+    backoff: int = 0
+    phase_steps: dict[str, int] = field(default_factory=lambda: {p.value: 0 for p in Phase})
+    rollbacks: int = 0
+
+    def __post_init__(self) -> None:
+        if self.config.warmup_steps == 0 and self.phase is Phase.WARMUP:
+            self.phase = Phase.FULL
+
+    @property
+    def full_required(self) -> int:
+        return self.config.full_steps * (2**self.backoff)
+
+    def predict_length(self, confidence: float) -> int:
+        """Longer predict phases for higher confidence, shorter ones after many in a row."""
+        cfg = self.config
+        damping = 1.0 - min(0.1 * self.consecutive_predicts, 0.5)
+        length = math.floor(cfg.max_predict_steps * confidence**2 * damping)
+        return max(cfg.min_predict_steps, min(cfg.max_predict_steps, length))
+
+    def _confident(self, confidence: float) -> bool:
+        return confidence >= self.config.confidence_threshold
+
+    def _enter(self, phase: Phase) -> None:
+        self.phase = phase
+        self.steps_in_phase = 0
+
+    def end_step(self, confidence: float, predictor_ready: bool) -> Phase:
+        """Account for the optimizer step just taken in `self.phase`; return the next step's phase."""
+        cfg = self.config
+        self.phase_steps[self.phase.value] += 1
+        self.steps_in_phase += 1
+        if self.phase is Phase.WARMUP:
+            if self.steps_in_phase >= cfg.warmup_steps:
+                self._enter(Phase.FULL)
+        elif self.phase is Phase.FULL:
+            if self.steps_in_phase >= self.full_required and predictor_ready and self._confident(confidence):
+                self._start_predict(confidence)
+        elif self.phase is Phase.PREDICT:
+            if self.steps_in_phase >= self.planned_predict_steps:
+                if cfg.correct_steps > 0:
+                    self._enter(Phase.CORRECT)
+                else:
+                    self._after_correct(confidence, predictor_ready)
+        elif self.phase is Phase.CORRECT and self.steps_in_phase >= cfg.correct_steps:
+            self._after_correct(confidence, predictor_ready)
+        return self.phase
+
+    def _start_predict(self, confidence: float) -> None:
+        self.planned_predict_steps = self.predict_length(confidence)
+        self.consecutive_predicts += 1
+        self._enter(Phase.PREDICT)
+
+    def _after_correct(self, confidence: float, predictor_ready: bool) -> None:
+        again = self.consecutive_predicts < self.config.max_consecutive_predicts
+        if again and predictor_ready and self._confident(confidence):
+            self._start_predict(confidence)
+        else:
+            self.consecutive_predicts = 0
+            self._enter(Phase.FULL)
+
+    def abort(self) -> None:
+        """A prediction was rolled back: back to FULL, and wait longer before the next one."""
+        self.rollbacks += 1
+        self.backoff = min(self.backoff + 1, self.config.max_backoff)
+        self.consecutive_predicts = 0
+        self._enter(Phase.FULL)
+
+    def report_payoff(self, paid: bool) -> None:
+        """Feedback on a finished prediction: recover when it paid; when not, end the chain and back off."""
+        if paid:
+            self.backoff = max(self.backoff - 1, 0)
+        else:
+            self.backoff = min(self.backoff + 1, self.config.max_backoff)
+            self.consecutive_predicts = self.config.max_consecutive_predicts
+
+    def state_dict(self) -> dict:
+        state = asdict(self)
+        state.pop("config")
+        state["phase"] = self.phase.value
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, value in state.items():
+            setattr(self, key, Phase(value) if key == "phase" else value)
+        self.phase_steps = dict(self.phase_steps)

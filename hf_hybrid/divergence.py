@@ -1,0 +1,78 @@
+"""Divergence signals: is a loss or a gradient norm out of the range real training shows?
+
+Pure Python: its inputs are floats that were already reduced across ranks, so every rank reaches the
+same verdict and DDP collectives stay in step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class DivergenceMonitor:
+    band_sigmas: float = 3.0
+    grad_explosion_factor: float = 10.0
+    ema_decay: float = 0.95
+    min_observations: int = 5
+    loss_mean: float = 0.0
+    loss_var: float = 0.0
+    log_grad_norm: float = 0.0
+    observations: int = 0
+    divergences: int = 0
+    non_finite: int = 0
+
+    def observe(self, loss: float, grad_norm: float | None) -> None:
+        """Record a healthy real step."""
+        if self.observations == 0:
+            self.loss_mean = loss
+            self.log_grad_norm = math.log(grad_norm) if grad_norm and grad_norm > 0 else 0.0
+        else:
+            d = self.ema_decay
+            delta = loss - self.loss_mean
+            self.loss_mean += (1 - d) * delta
+            self.loss_var = d * (self.loss_var + (1 - d) * delta * delta)
+            if grad_norm and grad_norm > 0:
+                self.log_grad_norm = d * self.log_grad_norm + (1 - d) * math.log(grad_norm)
+        self.observations += 1
+
+    @property
+    def loss_sigma(self) -> float:
+        # A floor keeps an unusually smooth stretch from turning every wiggle into a divergence.
+        return max(math.sqrt(self.loss_var), 1e-3 * max(abs(self.loss_mean), 1.0))
+
+    def loss_diverged(self, loss: float, expected: float | None = None, extra_sigma: float = 0.0) -> bool:
+        """True when `loss` is non-finite or above `expected` (default: the recent mean) by the band."""
+        if not math.isfinite(loss):
+            self.non_finite += 1
+            self.divergences += 1
+            return True
+        if self.observations < self.min_observations:
+            return False
+        center = self.loss_mean if expected is None else expected
+        sigma = math.sqrt(self.loss_sigma**2 + extra_sigma**2)
+        if loss > center + self.band_sigmas * sigma:
+            self.divergences += 1
+            return True
+        return False
+
+    def grad_diverged(self, grad_norm: float) -> bool:
+        """True when the gradient norm is non-finite or explodes past `grad_explosion_factor` x its trend."""
+        if not math.isfinite(grad_norm):
+            self.non_finite += 1
+            self.divergences += 1
+            return True
+        if self.observations < self.min_observations or grad_norm <= 0:
+            return False
+        if math.log(grad_norm) > self.log_grad_norm + math.log(self.grad_explosion_factor):
+            self.divergences += 1
+            return True
+        return False
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)

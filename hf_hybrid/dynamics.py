@@ -1,0 +1,195 @@
+"""RSSM-lite: a small recurrent ensemble that forecasts the training loss, with an uncertainty.
+
+Inputs per real optimizer step are three training-state features (loss, log gradient norm, learning
+rate), each normalized by running statistics. Each ensemble member is a GRU with a Gaussian head that
+predicts the next step's normalized loss; members differ by seed and by a bootstrap mask over time
+steps. The forecast rolls the members forward, holding the other features at their last values.
+
+Confidence = 0.4 * ensemble agreement + 0.4 * recent accuracy + 0.2 * loss stability, each in [0, 1]:
+- agreement: how close the members' forecasts are, in units of the loss's own noise;
+- accuracy: how often the last one-step forecasts held the realized loss inside 2 sigma;
+- stability: how small the loss's noise is next to its level.
+
+It always runs on the CPU, in float32, from rank-identical inputs with seeded generators, so every
+rank computes the same confidence; it is a few thousand parameters and trains every `train_every`
+steps for a few iterations, so its cost stays out of the step time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import torch
+from torch import nn
+
+NUM_FEATURES = 3
+
+
+class _Member(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.gru = nn.GRU(NUM_FEATURES, hidden, batch_first=True)
+        self.head = nn.Linear(hidden, 2)
+
+    def forward(self, x: torch.Tensor, h: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        out, h = self.gru(x, h)
+        return self.head(out), h
+
+
+class _RunningNorm:
+    """Welford mean/variance per feature."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.mean = [0.0] * NUM_FEATURES
+        self.m2 = [0.0] * NUM_FEATURES
+
+    def update(self, x: list[float]) -> None:
+        self.n += 1
+        for i, v in enumerate(x):
+            d = v - self.mean[i]
+            self.mean[i] += d / self.n
+            self.m2[i] += d * (v - self.mean[i])
+
+    def std(self, i: int) -> float:
+        return math.sqrt(self.m2[i] / self.n) if self.n > 1 and self.m2[i] > 0 else 1.0
+
+    def normalize(self, x: list[float]) -> list[float]:
+        return [(v - self.mean[i]) / self.std(i) for i, v in enumerate(x)]
+
+
+class LossDynamicsModel:
+    def __init__(
+        self,
+        ensemble_size: int = 4,
+        hidden: int = 16,
+        window: int = 64,
+        train_every: int = 10,
+        train_iters: int = 4,
+        seed: int = 0,
+    ) -> None:
+        self.window, self.train_every, self.train_iters = window, train_every, train_iters
+        self.norm = _RunningNorm()
+        self.raw: deque[list[float]] = deque(maxlen=window + 1)
+        self.members = []
+        for k in range(ensemble_size):
+            # Seeded per member, without touching the global RNG the Trainer checkpoints.
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed * 1009 + k)
+                self.members.append(_Member(hidden))
+        params = [p for m in self.members for p in m.parameters()]
+        self.optimizer = torch.optim.Adam(params, lr=1e-2)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.steps = 0
+        self.hits: deque[float] = deque(maxlen=32)
+        self._last_forecast: tuple[float, float] | None = None
+
+    @property
+    def ready(self) -> bool:
+        return len(self.raw) > 8
+
+    def observe(self, loss: float, grad_norm: float | None, lr: float) -> None:
+        """Record one real step; score the previous one-step forecast; train now and then."""
+        x = [loss, math.log(max(grad_norm or 0.0, 1e-12)), lr]
+        if not all(math.isfinite(v) for v in x):
+            return
+        if self._last_forecast is not None:
+            mean, std = self._last_forecast
+            self.hits.append(1.0 if abs(loss - mean) <= 2.0 * std else 0.0)
+            self._last_forecast = None
+        self.norm.update(x)
+        self.raw.append(x)
+        self.steps += 1
+        if self.ready and self.steps % self.train_every == 0:
+            self._train()
+        if self.ready:
+            mean, std = self.forecast(1)
+            self._last_forecast = (mean[0], std[0])
+
+    def _sequence(self) -> torch.Tensor:
+        return torch.tensor([self.norm.normalize(x) for x in self.raw], dtype=torch.float32).unsqueeze(0)
+
+    def _train(self) -> None:
+        seq = self._sequence()
+        inputs, targets = seq[:, :-1], seq[:, 1:, 0]
+        masks = [
+            (torch.rand(targets.shape, generator=self.generator) < 0.8).float() for _ in self.members
+        ]
+        for _ in range(self.train_iters):
+            self.optimizer.zero_grad(set_to_none=True)
+            total = torch.zeros(())
+            for member, mask in zip(self.members, masks):
+                out, _ = member(inputs)
+                mean, log_var = out[..., 0], out[..., 1].clamp(-6.0, 4.0)
+                nll = 0.5 * (log_var + (targets - mean) ** 2 / log_var.exp())
+                total = total + (nll * mask).sum() / mask.sum().clamp_min(1.0)
+            total.backward()
+            self.optimizer.step()
+
+    @torch.no_grad()
+    def _rollouts(self, horizon: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per member, the normalized mean and variance of the next `horizon` losses."""
+        seq = self._sequence()
+        means, variances = [], []
+        for member in self.members:
+            out, h = member(seq)
+            step_out = out[:, -1:]
+            last = seq[:, -1:].clone()
+            m_list, v_list = [], []
+            for _ in range(horizon):
+                mean, log_var = step_out[..., 0], step_out[..., 1].clamp(-6.0, 4.0)
+                m_list.append(mean.item())
+                v_list.append(log_var.exp().item())
+                last[..., 0] = mean
+                step_out, h = member(last, h)
+            means.append(m_list)
+            variances.append(v_list)
+        return torch.tensor(means), torch.tensor(variances)
+
+    def forecast(self, horizon: int) -> tuple[list[float], list[float]]:
+        """Mean and standard deviation of the next `horizon` losses, in loss units."""
+        if not self.ready:
+            last = self.raw[-1][0] if self.raw else 0.0
+            return [last] * horizon, [float("inf")] * horizon
+        means, variances = self._rollouts(horizon)
+        scale, shift = self.norm.std(0), self.norm.mean[0]
+        mean = means.mean(0)
+        var = variances.mean(0) + means.var(0, unbiased=False)
+        return (mean * scale + shift).tolist(), (var.sqrt() * scale).tolist()
+
+    def confidence(self, horizon: int = 8) -> float:
+        if not self.ready:
+            return 0.0
+        means, _ = self._rollouts(horizon)
+        spread = means.std(0, unbiased=False).mean().item()  # in units of the loss's running std
+        agreement = math.exp(-spread)
+        accuracy = sum(self.hits) / len(self.hits) if self.hits else 0.0
+        losses = [x[0] for x in self.raw]
+        level = abs(sum(losses) / len(losses)) or 1.0
+        noise = math.sqrt(sum((a - b) ** 2 for a, b in zip(losses[1:], losses[:-1])) / (2 * (len(losses) - 1)))
+        stability = 1.0 / (1.0 + 10.0 * noise / level)
+        return 0.4 * agreement + 0.4 * accuracy + 0.2 * stability
+
+    def state_dict(self) -> dict:
+        return {
+            "members": [m.state_dict() for m in self.members],
+            "optimizer": self.optimizer.state_dict(),
+            "generator": self.generator.get_state(),
+            "norm": {"n": self.norm.n, "mean": list(self.norm.mean), "m2": list(self.norm.m2)},
+            "raw": [list(x) for x in self.raw],
+            "steps": self.steps,
+            "hits": list(self.hits),
+            "last_forecast": self._last_forecast,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        for member, member_state in zip(self.members, state["members"]):
+            member.load_state_dict(member_state)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.generator.set_state(state["generator"])
+        self.norm.n, self.norm.mean, self.norm.m2 = state["norm"]["n"], state["norm"]["mean"], state["norm"]["m2"]
+        self.raw = deque(state["raw"], maxlen=self.window + 1)
+        self.steps = state["steps"]
+        self.hits = deque(state["hits"], maxlen=32)
+        self._last_forecast = tuple(state["last_forecast"]) if state["last_forecast"] else None

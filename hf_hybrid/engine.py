@@ -1,0 +1,284 @@
+"""The hybrid engine: one optimizer step at a time, the parts work together here.
+
+The Trainer subclass calls it at fixed points of its loop (see trainer.py); the engine owns the
+parameters' undo snapshot, the predictor, the dynamics model, the divergence and payoff monitors and
+the phase controller, and turns their verdicts into tensor operations.
+
+Rank safety: the only rank-local numbers are the micro-batch losses, and they are averaged across
+ranks (one small all-reduce per optimizer step, shared with the gradient norm) before any decision.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .controller import PHASE_IDS, ControllerConfig, Phase, PhaseController
+from .divergence import DivergenceMonitor
+from .dynamics import LossDynamicsModel
+from .payoff import PayoffMeter
+from .predictors import PREDICTORS
+
+
+class WeightSnapshot:
+    """A copy of the parameters to undo a Predict phase, bit-exactly. Buffers are reused, never regrown."""
+
+    def __init__(self) -> None:
+        self.tensors: list[Tensor] | None = None
+        self.valid = False
+
+    @torch.no_grad()
+    def capture(self, params: list[Tensor]) -> None:
+        if self.tensors is None:
+            self.tensors = [torch.empty_like(p) for p in params]
+        for s, p in zip(self.tensors, params):
+            s.copy_(p)
+        self.valid = True
+
+    @torch.no_grad()
+    def restore(self, params: list[Tensor]) -> None:
+        assert self.valid and self.tensors is not None, "no snapshot to restore"
+        for s, p in zip(self.tensors, params):
+            p.copy_(s)
+
+    def state_dict(self) -> dict:
+        tensors = [t.detach().cpu().clone() for t in self.tensors] if self.valid and self.tensors else None
+        return {"valid": self.valid, "tensors": tensors}
+
+    def load_state_dict(self, state: dict, params: list[Tensor]) -> None:
+        self.valid = False
+        if state["valid"]:
+            self.capture(params)
+            with torch.no_grad():
+                for s, saved in zip(self.tensors, state["tensors"]):
+                    s.copy_(saved)
+
+
+@dataclass
+class StepRecord:
+    """What happened in one optimizer step, for the trace and the logs."""
+
+    step: int
+    phase: Phase
+    loss: float | None = None
+    grad_norm: float | None = None
+    rollback: bool = False
+    skipped: bool = False
+
+
+class HybridEngine:
+    def __init__(self, settings, params: list[Tensor], optimizer: torch.optim.Optimizer, seed: int = 0) -> None:
+        if not params:
+            raise ValueError("hybrid training needs at least one trainable parameter; the model has none")
+        self.settings = settings
+        self.params = params
+        self.controller = PhaseController(
+            ControllerConfig(
+                warmup_steps=settings.hybrid_warmup_steps,
+                full_steps=settings.hybrid_full_steps,
+                min_predict_steps=settings.hybrid_min_predict_steps,
+                max_predict_steps=settings.hybrid_max_predict_steps,
+                correct_steps=settings.hybrid_correct_steps,
+                confidence_threshold=settings.hybrid_confidence_threshold,
+                max_consecutive_predicts=settings.hybrid_max_consecutive_predicts,
+            )
+        )
+        self.monitor = DivergenceMonitor(
+            band_sigmas=settings.hybrid_loss_band, grad_explosion_factor=settings.hybrid_grad_explosion_factor
+        )
+        self.payoff = PayoffMeter(monitored_cost=settings.hybrid_predict_step_cost)
+        self.dynamics = LossDynamicsModel(seed=seed)
+        predictor_cls = PREDICTORS[settings.hybrid_predictor]
+        kwargs = {"beta": settings.hybrid_velocity_beta} if settings.hybrid_predictor == "velocity" else {}
+        self.predictor = predictor_cls(params, optimizer, **kwargs)
+        self.snapshot = WeightSnapshot()
+        self._anchor: list[Tensor] | None = None  # parameters before a real optimizer step
+        self._predicted: list[Tensor] | None = None
+        self.skipped_steps = 0
+        self.confidence = 0.0
+        self.band: tuple[list[float], list[float]] = ([], [])
+        self.record: StepRecord | None = None
+
+    # ---- one optimizer step -------------------------------------------------------------------
+
+    @property
+    def phase(self) -> Phase:
+        return self.record.phase if self.record is not None else self.controller.phase
+
+    def begin_step(self, step: int, lr: float) -> None:
+        """At the first micro-batch of an optimizer step: fix its phase; in Predict, apply the delta."""
+        self.record = StepRecord(step=step, phase=self.controller.phase)
+        if self.record.phase is not Phase.PREDICT:
+            return
+        k = self.controller.steps_in_phase
+        if k == 0:
+            self.snapshot.capture(self.params)
+            if self.settings.hybrid_payoff_check:
+                self.payoff.begin_prediction()
+            self.band = self.dynamics.forecast(self.controller.planned_predict_steps)
+        self.predictor.apply_(lr)
+
+    @property
+    def monitored(self) -> bool:
+        """Whether this Predict step runs a forward pass to check the loss."""
+        k = self.controller.steps_in_phase
+        last = k + 1 >= self.controller.planned_predict_steps
+        return last or (k + 1) % self.settings.hybrid_monitor_interval == 0
+
+    def check_predict_step(self, loss: float | None) -> None:
+        """At the end of a Predict step: roll back if the monitored loss left the forecast band."""
+        record = self.record
+        record.loss = loss
+        if loss is not None:
+            k = self.controller.steps_in_phase
+            means, stds = self.band
+            expected = means[k] if k < len(means) else None
+            spread = stds[k] if k < len(stds) and math.isfinite(stds[k]) else 0.0
+            # The forecast's own spread widens the band, up to the loss's batch noise.
+            extra = min(spread, 3.0 * self.monitor.loss_sigma)
+            if self.monitor.loss_diverged(loss, expected=expected, extra_sigma=extra):
+                self.rollback()
+        self.payoff.tick_predict(monitored=loss is not None)
+
+    def check_real_step(self, loss: float, grad_norm: float | None, lr: float) -> bool:
+        """After backward on a real step; returns True when the optimizer step must be vetoed."""
+        record = self.record
+        record.loss, record.grad_norm = loss, grad_norm
+        after_prediction = self.snapshot.valid
+        if not (math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm))):
+            self.monitor.non_finite += 1
+            self.monitor.divergences += 1
+            self.skipped_steps += 1
+            record.skipped = True
+            if after_prediction:
+                self.rollback()
+            return True
+        first_correct = record.phase is Phase.CORRECT and self.controller.steps_in_phase == 0
+        if after_prediction and first_correct:
+            exploded = grad_norm is not None and self.monitor.grad_diverged(grad_norm)
+            if exploded or self.monitor.loss_diverged(loss):
+                self.rollback()
+                return True
+        if self.settings.hybrid_payoff_check and self.payoff.judging:
+            verdict = self.payoff.judge(loss, needed=self.settings.hybrid_correct_steps)
+            if verdict is not None:
+                self.controller.report_payoff(verdict)
+        self.payoff.tick_real(loss)
+        self.monitor.observe(loss, grad_norm)
+        self.dynamics.observe(loss, grad_norm, lr)
+        return False
+
+    def rollback(self) -> None:
+        """Undo the Predict phase: last good weights, back to Full."""
+        if self.snapshot.valid:
+            self.snapshot.restore(self.params)
+            self.snapshot.valid = False
+        self.payoff.cancel()
+        self.controller.abort()
+        self.record.rollback = True
+
+    @torch.no_grad()
+    def before_optimizer_step(self, lr: float) -> None:
+        """Keep the parameters so the real update can be measured after the step; on a Correct step,
+        also what the predictor would have done from the same state."""
+        if self._anchor is None:
+            self._anchor = [torch.empty_like(p) for p in self.params]
+        for a, p in zip(self._anchor, self.params):
+            a.copy_(p)
+        if self.record.phase is Phase.CORRECT:
+            self._predicted = [self.predictor.direction(i, p, lr) for i, p in enumerate(self.params)]
+
+    @torch.no_grad()
+    def after_optimizer_step(self, lr: float) -> None:
+        """Feed the real update to the predictor, after measuring the residual on a Correct step."""
+        updates = self._anchor
+        for a, p in zip(updates, self.params):
+            a.neg_().add_(p)  # in place: the anchor buffer now holds (after - before)
+        if self._predicted is not None:
+            self.predictor.measure_residual(updates, self._predicted)
+            self._predicted = None
+        self.predictor.observe(updates, lr)
+
+    def end_step(self) -> Phase:
+        """After the optimizer step: decide the next step's phase."""
+        record = self.record
+        if not record.rollback:
+            if self._needs_confidence():
+                self.confidence = self.dynamics.confidence()
+            ready = self.predictor.ready and self.dynamics.ready
+            self.controller.end_step(self.confidence, ready)
+        else:
+            self.controller.phase_steps[record.phase.value] += 1
+        if self.controller.phase is not Phase.PREDICT and self.controller.phase is not Phase.CORRECT:
+            self.snapshot.valid = False
+        self.record = None
+        return self.controller.phase
+
+    def _needs_confidence(self) -> bool:
+        c = self.controller
+        if c.phase is Phase.FULL:
+            return c.steps_in_phase + 1 >= c.full_required
+        if c.phase is Phase.CORRECT:
+            return c.steps_in_phase + 1 >= c.config.correct_steps
+        return c.phase is Phase.PREDICT and c.config.correct_steps == 0
+
+    # ---- reporting and checkpoints --------------------------------------------------------------
+
+    def stats(self) -> dict:
+        steps = dict(self.controller.phase_steps)
+        total = sum(steps.values())
+        predict = steps[Phase.PREDICT.value]
+        return {
+            "phase_steps": steps,
+            "backward_steps": total - predict,
+            "predict_steps": predict,
+            "backward_reduction": predict / total if total else 0.0,
+            "rollbacks": self.controller.rollbacks,
+            "divergences": self.monitor.divergences,
+            "non_finite": self.monitor.non_finite,
+            "skipped_steps": self.skipped_steps,
+        }
+
+    def log_metrics(self) -> dict[str, float]:
+        stats = self.stats()
+        metrics = {
+            "hybrid/phase": float(PHASE_IDS[self.controller.phase]),
+            "hybrid/confidence": float(self.confidence),
+            "hybrid/backward_reduction": float(stats["backward_reduction"]),
+            "hybrid/predict_steps": float(stats["predict_steps"]),
+            "hybrid/rollbacks": float(stats["rollbacks"]),
+            "hybrid/divergences": float(stats["divergences"]),
+            "hybrid/skipped_steps": float(stats["skipped_steps"]),
+            "hybrid/backoff": float(self.controller.backoff),
+            "hybrid/payoff_advantage": float(self.payoff.advantage),
+        }
+        if self.predictor.last_residual is not None:
+            metrics["hybrid/prediction_error"] = float(self.predictor.last_residual)
+        return metrics
+
+    def state_dict(self) -> dict:
+        return {
+            "controller": self.controller.state_dict(),
+            "monitor": self.monitor.state_dict(),
+            "payoff": self.payoff.state_dict(),
+            "dynamics": self.dynamics.state_dict(),
+            "predictor": self.predictor.state_dict(),
+            "snapshot": self.snapshot.state_dict(),
+            "skipped_steps": self.skipped_steps,
+            "confidence": self.confidence,
+            "band": self.band,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.controller.load_state_dict(state["controller"])
+        self.monitor.load_state_dict(state["monitor"])
+        self.payoff.load_state_dict(state["payoff"])
+        self.dynamics.load_state_dict(state["dynamics"])
+        self.predictor.load_state_dict(state["predictor"])
+        self.snapshot.load_state_dict(state["snapshot"], self.params)
+        self.skipped_steps = state["skipped_steps"]
+        self.confidence = state["confidence"]
+        self.band = tuple(state["band"])

@@ -1,0 +1,45 @@
+"""Adam direction: take the optimizer's own next step with its moments held fixed.
+
+With no new gradient, the best guess of the next gradient is the momentum, so the predicted step is
+AdamW's: decoupled weight decay plus lr * m_hat / (sqrt(v_hat) + eps), using the optimizer's state
+and hyper-parameters. It needs no buffer of its own, which makes it the low-memory choice.
+It needs Adam-family state (`exp_avg`, `exp_avg_sq`); any other optimizer is refused at start.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .base import Predictor
+
+
+class AdamPredictor(Predictor):
+    name = "adam"
+
+    def __init__(self, params: list[Tensor], optimizer: torch.optim.Optimizer) -> None:
+        super().__init__(params, optimizer)
+        self.groups = {}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                self.groups[id(p)] = group
+        missing = [i for i, p in enumerate(params) if id(p) not in self.groups]
+        if missing:
+            raise ValueError(f"hybrid_predictor='adam': {len(missing)} trainable parameters are not in the optimizer")
+        if not any(k in optimizer.defaults for k in ("betas",)):
+            raise ValueError(
+                f"hybrid_predictor='adam' needs an Adam-family optimizer (exp_avg/exp_avg_sq state); got "
+                f"{type(optimizer).__name__}. Use --hybrid_predictor velocity instead."
+            )
+
+    def direction(self, index: int, param: Tensor, lr: float) -> Tensor:
+        p = self.params[index]
+        state = self.optimizer.state.get(p)
+        group = self.groups[id(p)]
+        if not state or "exp_avg" not in state:
+            return torch.zeros_like(param)
+        beta1, beta2 = group["betas"]
+        step = float(state["step"])
+        m_hat = state["exp_avg"] / (1 - beta1**step)
+        denom = (state["exp_avg_sq"] / (1 - beta2**step)).sqrt_().add_(group["eps"])
+        return -lr * (m_hat / denom + group["weight_decay"] * param)

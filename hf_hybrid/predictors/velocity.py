@@ -1,0 +1,41 @@
+"""EMA velocity: extrapolate the smoothed per-step update of recent real steps.
+
+The velocity is kept per unit of learning rate, so a warmup or decay schedule scales the predicted
+step the way it scales Adam's. Averaging over ~1/(1-beta) steps removes much of the minibatch noise
+that a single real update carries. Memory: one extra buffer the size of the parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .base import Predictor
+
+
+class VelocityPredictor(Predictor):
+    name = "velocity"
+
+    def __init__(self, params: list[Tensor], optimizer: torch.optim.Optimizer, beta: float = 0.95) -> None:
+        super().__init__(params, optimizer)
+        self.beta = beta
+        self.velocity = [torch.zeros_like(p) for p in params]
+
+    @torch.no_grad()
+    def _observe(self, updates: list[Tensor], lr: float) -> None:
+        if lr <= 0:
+            return
+        for v, u in zip(self.velocity, updates):
+            v.mul_(self.beta).add_(u, alpha=(1 - self.beta) / lr)
+
+    def direction(self, index: int, param: Tensor, lr: float) -> Tensor:
+        bias_correction = 1 - self.beta**self.observed
+        return self.velocity[index] * (lr / bias_correction)
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "velocity": [v.detach().cpu().clone() for v in self.velocity]}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        for v, saved in zip(self.velocity, state["velocity"]):
+            v.copy_(saved)

@@ -1,0 +1,278 @@
+"""`HybridHFTrainer`: the Hugging Face `Trainer` with hybrid predictive training.
+
+Thin glue. Each override below exists for one reason:
+- `training_step`: a Predict step must run no backward (only a no-grad forward to check the loss),
+  and its predicted delta is applied at the first micro-batch of the optimizer step;
+- `_clip_grad_norm` / `_get_grad_norm`: the Trainer calls them on every optimizer step; on a step with
+  no backward they must not touch the gradients (or the fp16 GradScaler's unscale bookkeeping), and on
+  a real step the gradient norm is where a NaN or an explosion is caught before the optimizer runs;
+- `_save_optimizer_and_scheduler` / `_load_optimizer_and_scheduler`: they run on every rank, so the
+  hybrid state (including per-rank tensors) is saved and restored beside the optimizer's;
+- `log`: to merge the `hybrid/...` metrics into the Trainer's logs, so every `report_to` gets them.
+The optimizer step itself is vetoed through accelerate's public `sync_gradients` flag:
+`AcceleratedOptimizer.step` does nothing while it is False.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import torch
+from transformers import Trainer, TrainerCallback
+from transformers.trainer_callback import ProgressCallback
+
+from .config import hybrid_settings
+from .controller import Phase
+from .engine import HybridEngine
+from .memory import EmergencyCheckpointCallback, VramMonitor
+
+HYBRID_STATE_NAME = "hybrid_state_rank{rank}.pt"
+TRACE_NAME = "hybrid_trace.jsonl"
+
+
+class _HybridStepHooks(TrainerCallback):
+    """Forwards the loop points that have no overridable method to the trainer."""
+
+    def __init__(self, trainer: HybridMixin) -> None:
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.trainer._hybrid_train_begin()
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.trainer._hybrid_before_optimizer_step()
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self.trainer._hybrid_after_optimizer_step()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.trainer._hybrid_end_step()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.trainer._hybrid_close_trace()
+
+
+class HybridMixin:
+    """Adds hybrid phases to a `transformers.Trainer` subclass: `class X(HybridMixin, SomeTrainer)`."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.hybrid_settings = hybrid_settings(self.args)
+        self._hybrid: HybridEngine | None = None
+        self._hybrid_pending_state: dict | None = None
+        self._hybrid_trace = None
+        self._hybrid_window_loss: torch.Tensor | None = None
+        self._hybrid_last_loss: torch.Tensor | None = None
+        self._hybrid_t0 = time.perf_counter()
+        self._vram = VramMonitor() if self.hybrid_settings.hybrid else None
+        if not self.hybrid_settings.hybrid:
+            return
+        self._check_launch_mode()
+        self.add_callback(_HybridStepHooks(self))
+        if self.hybrid_settings.hybrid_vram_min_free_mb > 0 and self._vram.available:
+            self.add_callback(EmergencyCheckpointCallback(self._vram, self.hybrid_settings.hybrid_vram_min_free_mb))
+
+    def _check_launch_mode(self) -> None:
+        if self.is_deepspeed_enabled:
+            config = self.args.deepspeed or os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or "the accelerate config"
+            raise ValueError(
+                f"hf_hybrid does not support DeepSpeed yet (config: {config}): DeepSpeed owns the optimizer step and "
+                "the fp32 master weights, so a predicted delta would be silently overwritten. Launch with DDP or "
+                "FSDP2 (recipes/accelerate/), or pass --hybrid false."
+            )
+        if self.args.fsdp and not self.is_fsdp_enabled:
+            from transformers.utils import logging
+
+            logging.get_logger(__name__).warning(
+                "FSDP was requested but accelerate is not running FSDP (on CPU it falls back to DDP); "
+                "hf_hybrid will treat parameters as full, replicated tensors."
+            )
+
+    # ---- public -----------------------------------------------------------------------------------
+
+    def hybrid_stats(self) -> dict:
+        """Optimizer steps per phase, backward reduction, rollbacks and divergences so far."""
+        if self._hybrid is not None:
+            return self._hybrid.stats()
+        steps = self.state.global_step
+        return {
+            "phase_steps": {p.value: (steps if p is Phase.FULL else 0) for p in Phase},
+            "backward_steps": steps,
+            "predict_steps": 0,
+            "backward_reduction": 0.0,
+            "rollbacks": 0,
+            "divergences": 0,
+            "non_finite": 0,
+            "skipped_steps": 0,
+        }
+
+    # ---- the step ---------------------------------------------------------------------------------
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if not self.hybrid_settings.hybrid:
+            return super().training_step(model, inputs, num_items_in_batch)
+        engine = self._hybrid_engine(model)
+        if engine.record is None:  # first micro-batch of this optimizer step
+            engine.begin_step(self.state.global_step, self._hybrid_lr())
+            self._hybrid_window_loss = torch.zeros((), device=self.args.device)
+        if engine.phase is Phase.PREDICT:
+            loss = self._predict_micro_batch(model, inputs, num_items_in_batch, engine.monitored)
+        else:
+            loss = super().training_step(model, inputs, num_items_in_batch)
+        self._hybrid_window_loss += loss.detach().float()
+        if engine.phase is Phase.PREDICT and self.accelerator.sync_gradients:
+            monitored_loss = self._hybrid_reduce(self._hybrid_window_loss)[0] if engine.monitored else None
+            engine.check_predict_step(monitored_loss)
+            self._hybrid_veto_optimizer_step()
+        return loss
+
+    def _predict_micro_batch(self, model, inputs, num_items_in_batch, monitored: bool) -> torch.Tensor:
+        """No backward: a no-grad forward to check the loss, or nothing at all on an unmonitored step."""
+        if not monitored:
+            # The Trainer only sums this for its loss log; repeat the last checked loss rather than log a 0.
+            return self._hybrid_last_loss if self._hybrid_last_loss is not None else torch.zeros(())
+        model.train()
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        scaled = self.loss_is_scaled_for_ga
+        if scaled is None:  # the same rule as Trainer.training_step
+            scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or (
+                self.compute_loss_func is not None
+            )
+        if not scaled:
+            loss = loss / self.current_gradient_accumulation_steps
+        self._hybrid_last_loss = loss.detach()
+        return self._hybrid_last_loss
+
+    def _clip_grad_norm(self, model):
+        if self._hybrid_step_has_no_backward():
+            return None
+        return super()._clip_grad_norm(model)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        if self._hybrid_step_has_no_backward():
+            return None
+        grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
+        engine = self._hybrid
+        if engine is None or engine.record is None:
+            return grad_norm
+        loss, norm = self._hybrid_reduce(self._hybrid_window_loss, grad_norm)
+        if engine.check_real_step(loss, norm, self._hybrid_lr()):
+            self._hybrid_veto_optimizer_step()
+        return grad_norm
+
+    def _hybrid_step_has_no_backward(self) -> bool:
+        engine = self._hybrid
+        return engine is not None and engine.record is not None and engine.phase is Phase.PREDICT
+
+    def _hybrid_veto_optimizer_step(self) -> None:
+        scaler = self.accelerator.scaler
+        if scaler is not None and self._hybrid.phase is not Phase.PREDICT:
+            # The gradients were already unscaled (clipping or the norm): leaving the step to the scaler with
+            # an inf recorded skips it and lowers the scale, which keeps GradScaler's bookkeeping consistent.
+            for state in scaler._per_optimizer_states.values():
+                for found_inf in state.get("found_inf_per_device", {}).values():
+                    found_inf.fill_(1.0)
+            return
+        self.accelerator.gradient_state._set_sync_gradients(False)
+
+    def _hybrid_before_optimizer_step(self) -> None:
+        record = self._hybrid.record if self._hybrid is not None else None
+        if record is not None and record.phase.has_backward and self.accelerator.sync_gradients:
+            self._hybrid.before_optimizer_step(self._hybrid_lr())
+
+    def _hybrid_after_optimizer_step(self) -> None:
+        record = self._hybrid.record if self._hybrid is not None else None
+        stepped = self.accelerator.sync_gradients and not self.accelerator.optimizer_step_was_skipped
+        if record is not None and record.phase.has_backward and not (record.skipped or record.rollback) and stepped:
+            self._hybrid.after_optimizer_step(self._hybrid_lr())
+
+    def _hybrid_end_step(self) -> None:
+        engine = self._hybrid
+        if engine is None or engine.record is None:
+            return
+        record = engine.record
+        next_phase = engine.end_step()
+        if self._hybrid_trace is not None:
+            self._hybrid_trace.write(
+                json.dumps(
+                    {
+                        "step": self.state.global_step,
+                        "phase": record.phase.value,
+                        "loss": record.loss,
+                        "time": time.perf_counter() - self._hybrid_t0,
+                        "confidence": engine.confidence,
+                        "prediction_error": engine.predictor.last_residual,
+                        "rollback": record.rollback,
+                    }
+                )
+                + "\n"
+            )
+        for callback in self.callback_handler.callbacks:
+            if isinstance(callback, ProgressCallback) and callback.training_bar is not None:
+                callback.training_bar.set_postfix(phase=next_phase.value, refresh=False)
+
+    # ---- helpers ----------------------------------------------------------------------------------
+
+    def _hybrid_engine(self, model) -> HybridEngine:
+        if self._hybrid is None:
+            # Parameters of the prepared model: under FSDP2 these are the DTensors that hold the local shards.
+            params = [p for p in model.parameters() if p.requires_grad]
+            optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
+            self._hybrid = HybridEngine(self.hybrid_settings, params, optimizer, seed=self.args.seed)
+            if self._hybrid_pending_state is not None:
+                self._hybrid.load_state_dict(self._hybrid_pending_state)
+                self._hybrid_pending_state = None
+        return self._hybrid
+
+    def _hybrid_lr(self) -> float:
+        return float(self.lr_scheduler.get_last_lr()[0])
+
+    def _hybrid_reduce(self, *values) -> list[float]:
+        """Average scalars across ranks in one collective, so every rank decides on the same numbers."""
+        stacked = torch.stack([torch.as_tensor(v, dtype=torch.float32).to(self.args.device).reshape(()) for v in values])
+        if self.accelerator.num_processes > 1:
+            stacked = self.accelerator.reduce(stacked, reduction="mean")
+        return stacked.tolist()
+
+    def _hybrid_train_begin(self) -> None:
+        self._hybrid = None  # a new train() call prepares the model again: rebuild on the first step
+        self._hybrid_t0 = time.perf_counter()
+        if self.hybrid_settings.hybrid_trace and self.is_world_process_zero():
+            os.makedirs(self.args.output_dir, exist_ok=True)
+            self._hybrid_trace = open(os.path.join(self.args.output_dir, TRACE_NAME), "a", buffering=1)
+
+    def _hybrid_close_trace(self) -> None:
+        if self._hybrid_trace is not None:
+            self._hybrid_trace.close()
+            self._hybrid_trace = None
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if self._hybrid is not None and not any(k.startswith("eval_") for k in logs):
+            logs = {**logs, **self._hybrid.log_metrics()}
+            if self._vram is not None:
+                logs.update(self._vram.metrics())
+        super().log(logs, start_time)
+
+    # ---- checkpoints --------------------------------------------------------------------------------
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        super()._save_optimizer_and_scheduler(output_dir)
+        if self._hybrid is not None:
+            path = os.path.join(output_dir, HYBRID_STATE_NAME.format(rank=self.args.process_index))
+            torch.save(self._hybrid.state_dict(), path)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None or not self.hybrid_settings.hybrid:
+            return
+        path = os.path.join(checkpoint, HYBRID_STATE_NAME.format(rank=self.args.process_index))
+        if os.path.isfile(path):
+            self._hybrid_pending_state = torch.load(path, map_location="cpu", weights_only=False)
+
+
+class HybridHFTrainer(HybridMixin, Trainer):
+    """A drop-in `transformers.Trainer` with Warmup, Full, Predict and Correct phases."""
