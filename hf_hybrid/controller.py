@@ -100,6 +100,7 @@ class PhaseController:
                 self._enter(Phase.FULL)
         elif self.phase is Phase.FULL:
             if self.steps_in_phase >= self.full_required and predictor_ready and self._confident(confidence):
+                self.consecutive_predicts = 0  # a Full phase ends any chain
                 self._start_predict(confidence)
         elif self.phase is Phase.PREDICT:
             if self.steps_in_phase >= self.planned_predict_steps:

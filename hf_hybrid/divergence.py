@@ -14,10 +14,12 @@ from dataclasses import asdict, dataclass
 class DivergenceMonitor:
     band_sigmas: float = 3.0
     grad_explosion_factor: float = 10.0
-    ema_decay: float = 0.95
+    level_decay: float = 0.7
+    noise_decay: float = 0.95
     min_observations: int = 5
-    loss_mean: float = 0.0
-    loss_var: float = 0.0
+    loss_level: float = 0.0
+    last_loss: float = 0.0
+    noise_var: float = 0.0
     log_grad_norm: float = 0.0
     observations: int = 0
     divergences: int = 0
@@ -26,31 +28,36 @@ class DivergenceMonitor:
     def observe(self, loss: float, grad_norm: float | None) -> None:
         """Record a healthy real step."""
         if self.observations == 0:
-            self.loss_mean = loss
+            self.loss_level = loss
             self.log_grad_norm = math.log(grad_norm) if grad_norm and grad_norm > 0 else 0.0
         else:
-            d = self.ema_decay
-            delta = loss - self.loss_mean
-            self.loss_mean += (1 - d) * delta
-            self.loss_var = d * (self.loss_var + (1 - d) * delta * delta)
+            # Half the mean squared step-to-step change: the batch noise, blind to a steady trend
+            # (a plain EMA variance would count the falling trend as noise and loosen the band).
+            diff = loss - self.last_loss
+            self.noise_var = self.noise_decay * self.noise_var + (1 - self.noise_decay) * 0.5 * diff * diff
+            self.loss_level = self.level_decay * self.loss_level + (1 - self.level_decay) * loss
             if grad_norm and grad_norm > 0:
+                d = self.noise_decay
                 self.log_grad_norm = d * self.log_grad_norm + (1 - d) * math.log(grad_norm)
+        self.last_loss = loss
         self.observations += 1
 
     @property
     def loss_sigma(self) -> float:
-        # A floor keeps an unusually smooth stretch from turning every wiggle into a divergence.
-        return max(math.sqrt(self.loss_var), 1e-3 * max(abs(self.loss_mean), 1.0))
+        # Bias-corrected; a floor keeps an unusually smooth stretch from turning every wiggle into a divergence.
+        n = max(self.observations - 1, 1)
+        var = self.noise_var / (1 - self.noise_decay**n)
+        return max(math.sqrt(var), 1e-3 * max(abs(self.loss_level), 1.0))
 
     def loss_diverged(self, loss: float, expected: float | None = None, extra_sigma: float = 0.0) -> bool:
-        """True when `loss` is non-finite or above `expected` (default: the recent mean) by the band."""
+        """True when `loss` is non-finite or above `expected` (default: the recent level) by the band."""
         if not math.isfinite(loss):
             self.non_finite += 1
             self.divergences += 1
             return True
         if self.observations < self.min_observations:
             return False
-        center = self.loss_mean if expected is None else expected
+        center = self.loss_level if expected is None else expected
         sigma = math.sqrt(self.loss_sigma**2 + extra_sigma**2)
         if loss > center + self.band_sigmas * sigma:
             self.divergences += 1

@@ -100,7 +100,8 @@ class HybridEngine:
         self.skipped_steps = 0
         self.confidence = 0.0
         self.band: tuple[list[float], list[float]] = ([], [])
-        self.record: StepRecord | None = None
+        self.record: StepRecord | None = None  # the optimizer step under way
+        self.last_record: StepRecord | None = None
 
     # ---- one optimizer step -------------------------------------------------------------------
 
@@ -214,7 +215,7 @@ class HybridEngine:
             self.controller.phase_steps[record.phase.value] += 1
         if self.controller.phase is not Phase.PREDICT and self.controller.phase is not Phase.CORRECT:
             self.snapshot.valid = False
-        self.record = None
+        self.last_record, self.record = record, None
         return self.controller.phase
 
     def _needs_confidence(self) -> bool:

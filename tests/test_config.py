@@ -1,0 +1,56 @@
+"""Flags: visible in --help, validated at construction with the flag's name, defaults for plain args."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import HfArgumentParser, TrainingArguments
+
+from hf_hybrid import HybridHFTrainer, HybridTrainingArguments
+from hf_hybrid.config import HYBRID_FIELDS
+
+from .conftest import tiny_gpt2, token_dataset
+
+
+def test_flags_show_in_help(capsys):
+    parser = HfArgumentParser(HybridTrainingArguments)
+    with pytest.raises(SystemExit):
+        parser.parse_args_into_dataclasses(["--help"])
+    help_text = capsys.readouterr().out
+    for name in ("hybrid", "hybrid_warmup_steps", "hybrid_full_steps", "hybrid_max_predict_steps",
+                 "hybrid_correct_steps", "hybrid_confidence_threshold", "hybrid_predictor"):
+        assert f"--{name}" in help_text
+    assert "{velocity,adam}" in help_text
+    assert all(f.metadata.get("help") for f in HYBRID_FIELDS)
+
+
+def test_cli_parses_hybrid_false(tmp_path):
+    (args,) = HfArgumentParser(HybridTrainingArguments).parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--hybrid", "false", "--hybrid_predictor", "adam"]
+    )
+    assert args.hybrid is False and args.hybrid_predictor == "adam"
+
+
+@pytest.mark.parametrize(
+    "flag,value",
+    [
+        ("hybrid_confidence_threshold", 1.5),
+        ("hybrid_confidence_threshold", -0.1),
+        ("hybrid_warmup_steps", -1),
+        ("hybrid_correct_steps", -2),
+        ("hybrid_max_predict_steps", -3),
+        ("hybrid_full_steps", 0),
+        ("hybrid_predictor", "crystal_ball"),
+        ("hybrid_velocity_beta", 1.0),
+    ],
+)
+def test_bad_values_raise_naming_the_flag(tmp_path, flag, value):
+    with pytest.raises(ValueError, match=f"--{flag}"):
+        HybridTrainingArguments(output_dir=str(tmp_path), **{flag: value})
+
+
+def test_plain_training_arguments_get_hybrid_defaults(tmp_path):
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, report_to="none", use_cpu=True)
+    trainer = HybridHFTrainer(model=tiny_gpt2(), args=args, train_dataset=token_dataset(16))
+    defaults = HybridTrainingArguments(output_dir=str(tmp_path))
+    for f in HYBRID_FIELDS:
+        assert getattr(trainer.hybrid_settings, f.name) == getattr(defaults, f.name)

@@ -1,0 +1,132 @@
+"""The phase state machine, on its own (no torch)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hf_hybrid.controller import ControllerConfig, Phase, PhaseController
+
+
+def run(controller: PhaseController, steps: int, confidence: float = 1.0, ready: bool = True) -> list[Phase]:
+    phases = []
+    for _ in range(steps):
+        phases.append(controller.phase)
+        controller.end_step(confidence, ready)
+    return phases
+
+
+def test_cycle_warmup_full_predict_correct():
+    c = PhaseController(ControllerConfig(warmup_steps=2, full_steps=3, min_predict_steps=1, max_predict_steps=4,
+                                         correct_steps=2, max_consecutive_predicts=2))
+    phases = [p.value for p in run(c, 2 + 3 + 4 + 2 + 3 + 2 + 3)]
+    # The second Predict phase in a row is damped: floor(4 * 0.9) = 3 steps.
+    assert phases == (["warmup"] * 2 + ["full"] * 3 + ["predict"] * 4 + ["correct"] * 2 + ["predict"] * 3
+                      + ["correct"] * 2 + ["full"] * 3)
+
+
+def test_low_confidence_never_predicts():
+    c = PhaseController(ControllerConfig(warmup_steps=1, full_steps=1, confidence_threshold=0.9))
+    assert Phase.PREDICT not in run(c, 50, confidence=0.5)
+
+
+def test_threshold_zero_predicts_whenever_schedule_allows():
+    c = PhaseController(ControllerConfig(warmup_steps=0, full_steps=1, confidence_threshold=0.0,
+                                         min_predict_steps=2, max_predict_steps=8))
+    phases = run(c, 4, confidence=0.0)
+    assert phases == [Phase.FULL, Phase.PREDICT, Phase.PREDICT, Phase.CORRECT]
+
+
+def test_predict_length_follows_confidence_and_damping():
+    c = PhaseController(ControllerConfig(min_predict_steps=1, max_predict_steps=20))
+    assert c.predict_length(1.0) == 20
+    assert c.predict_length(0.5) == 5
+    c.consecutive_predicts = 5
+    assert c.predict_length(1.0) == 10
+
+
+def test_abort_backs_off_and_payoff_recovers():
+    c = PhaseController(ControllerConfig(warmup_steps=0, full_steps=2))
+    c.phase = Phase.PREDICT
+    c.abort()
+    assert c.phase is Phase.FULL and c.rollbacks == 1 and c.full_required == 4
+    c.report_payoff(False)
+    assert c.full_required == 8
+    c.report_payoff(True)
+    assert c.full_required == 4
+
+
+def test_unpaid_prediction_ends_the_chain():
+    c = PhaseController(ControllerConfig(warmup_steps=0, full_steps=1, min_predict_steps=1, max_predict_steps=1,
+                                         correct_steps=1, max_consecutive_predicts=5))
+    run(c, 2)  # full, predict
+    assert c.phase is Phase.CORRECT
+    c.report_payoff(False)
+    c.end_step(1.0, True)
+    assert c.phase is Phase.FULL
+
+
+@pytest.mark.parametrize("kwargs", [dict(full_steps=0), dict(warmup_steps=-1), dict(confidence_threshold=1.5),
+                                    dict(min_predict_steps=5, max_predict_steps=2)])
+def test_config_rejects_bad_values(kwargs):
+    with pytest.raises(ValueError):
+        ControllerConfig(**kwargs)
+
+
+events = st.lists(st.tuples(st.floats(0, 1), st.booleans(), st.sampled_from(["step", "step", "step", "abort",
+                                                                              "paid", "unpaid"])),
+                  min_size=1, max_size=300)
+
+
+@settings(max_examples=150, deadline=None)
+@given(events=events, warmup=st.integers(0, 5), full=st.integers(1, 5), max_predict=st.integers(1, 6),
+       correct=st.integers(0, 3), threshold=st.floats(0, 1))
+def test_invariants_under_random_inputs(events, warmup, full, max_predict, correct, threshold):
+    cfg = ControllerConfig(warmup_steps=warmup, full_steps=full, min_predict_steps=1, max_predict_steps=max_predict,
+                           correct_steps=correct, confidence_threshold=threshold, max_consecutive_predicts=3)
+    c = PhaseController(cfg)
+    steps = 0
+    run_length, previous = 0, None
+    for confidence, ready, event in events:
+        if event == "abort":
+            if c.phase in (Phase.PREDICT, Phase.CORRECT):
+                c.abort()
+                assert c.phase is Phase.FULL
+            continue
+        if event in ("paid", "unpaid"):
+            c.report_payoff(event == "paid")
+            continue
+        phase = c.phase
+        run_length = run_length + 1 if phase is previous else 1
+        previous = phase
+        assert phase is not Phase.WARMUP or steps < warmup
+        if phase is Phase.PREDICT:
+            # Without Correct steps, chained Predict phases run back to back.
+            assert run_length <= max_predict * (1 if correct else cfg.max_consecutive_predicts)
+            assert steps >= warmup + full
+        assert c.consecutive_predicts <= cfg.max_consecutive_predicts
+        new = c.end_step(confidence, ready)
+        steps += 1
+        if new is Phase.PREDICT and phase is not Phase.PREDICT:
+            assert ready and confidence >= threshold
+        if phase is Phase.PREDICT and new is not Phase.PREDICT and correct > 0:
+            assert new is Phase.CORRECT
+        assert sum(c.phase_steps.values()) == steps
+        assert 0 <= c.backoff <= cfg.max_backoff
+
+
+@settings(max_examples=50, deadline=None)
+@given(confidences=st.lists(st.floats(0, 1), min_size=1, max_size=80), cut=st.integers(0, 79))
+def test_state_dict_round_trip_continues_identically(confidences, cut):
+    cfg = ControllerConfig(warmup_steps=2, full_steps=2, max_predict_steps=5, correct_steps=1,
+                           confidence_threshold=0.3)
+    a = PhaseController(cfg)
+    cut = min(cut, len(confidences))
+    for conf in confidences[:cut]:
+        a.end_step(conf, True)
+    b = PhaseController(cfg)
+    b.load_state_dict(a.state_dict())
+    for conf in confidences[cut:]:
+        assert a.end_step(conf, True) == b.end_step(conf, True)
+    assert a.state_dict() == b.state_dict()

@@ -1,0 +1,93 @@
+"""Predict steps: the weights really move, backward and the optimizer really are skipped."""
+
+from __future__ import annotations
+
+import torch
+from transformers import TrainerCallback
+
+from hf_hybrid import Phase
+
+from .conftest import flat_params, make_trainer
+
+
+class StepRecorder(TrainerCallback):
+    """Per optimizer step: its phase, whether any gradient existed, AdamW's step count, the weights."""
+
+    def __init__(self) -> None:
+        self.trainer = None
+        self.rows = []
+        self._had_grad = None
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self._had_grad = any(p.grad is not None for p in model.parameters())
+
+    def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
+        engine = self.trainer._hybrid
+        first = next(iter(optimizer.optimizer.state.values()), {})
+        self.rows.append({
+            "phase": engine.last_record.phase,
+            "had_grad": self._had_grad,
+            "adam_step": float(first.get("step", 0)),
+            "params": flat_params(model),
+            "rollback": engine.last_record.rollback,
+        })
+
+
+def train_recorded(tmp_out, **overrides):
+    recorder = StepRecorder()
+    trainer = make_trainer(tmp_out, **overrides)
+    trainer.add_callback(recorder)
+    recorder.trainer = trainer
+    trainer.train()
+    return trainer, recorder.rows
+
+
+def test_predict_moves_weights_without_backward_or_optimizer(tmp_out):
+    trainer, rows = train_recorded(tmp_out)
+    predict_rows = [i for i, r in enumerate(rows) if r["phase"] is Phase.PREDICT and not r["rollback"]]
+    assert len(predict_rows) >= 5
+    for i in predict_rows:
+        prev, row = rows[i - 1], rows[i]
+        assert not torch.equal(prev["params"], row["params"]), "a predicted step must change the weights"
+        assert torch.isfinite(row["params"]).all()
+        assert row["had_grad"] is False, "no backward may run on a predicted step"
+        assert row["adam_step"] == prev["adam_step"], "the optimizer must not step on a predicted step"
+    for i, row in enumerate(rows[1:], start=1):
+        if row["phase"] is not Phase.PREDICT:
+            assert row["had_grad"] is True
+            assert row["adam_step"] == rows[i - 1]["adam_step"] + 1
+    stats = trainer.hybrid_stats()
+    assert stats["predict_steps"] == sum(r["phase"] is Phase.PREDICT for r in rows)
+    assert stats["backward_steps"] + stats["predict_steps"] == trainer.state.global_step
+    assert abs(stats["backward_reduction"] - stats["predict_steps"] / trainer.state.global_step) < 1e-12
+
+
+def test_optimizer_state_counts_only_real_steps(tmp_out):
+    trainer, _ = train_recorded(tmp_out, hybrid_predictor="adam")
+    stats = trainer.hybrid_stats()
+    assert stats["predict_steps"] > 0
+    opt = trainer.optimizer.optimizer
+    for state in opt.state.values():
+        assert float(state["step"]) == stats["backward_steps"]
+
+
+def test_gradient_accumulation_predicts_per_optimizer_step(tmp_out):
+    trainer, rows = train_recorded(tmp_out, gradient_accumulation_steps=3, per_device_train_batch_size=4,
+                                   max_steps=30)
+    stats = trainer.hybrid_stats()
+    assert stats["predict_steps"] > 0
+    assert len(rows) == trainer.state.global_step == 30
+    for i, row in enumerate(rows[1:], start=1):
+        if row["phase"] is Phase.PREDICT:
+            assert row["adam_step"] == rows[i - 1]["adam_step"]
+    assert float(next(iter(trainer.optimizer.optimizer.state.values()))["step"]) == stats["backward_steps"]
+
+
+def test_logs_carry_numeric_hybrid_metrics(tmp_out):
+    trainer, _ = train_recorded(tmp_out)
+    train_logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert train_logs and all(isinstance(h["hybrid/phase"], float) for h in train_logs)
+    keys = set().union(*train_logs)
+    assert {"hybrid/confidence", "hybrid/backward_reduction", "hybrid/rollbacks", "hybrid/divergences"} <= keys
+    trace = (tmp_out / "hybrid_trace.jsonl").read_text().splitlines()
+    assert len(trace) == trainer.state.global_step

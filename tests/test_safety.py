@@ -1,0 +1,86 @@
+"""Safety: a harmful prediction is rolled back bit-exactly; a NaN never reaches the weights."""
+
+from __future__ import annotations
+
+import torch
+
+from hf_hybrid import Phase
+from hf_hybrid.predictors import VelocityPredictor
+
+from .conftest import make_trainer, tiny_gpt2
+from .test_predict import train_recorded
+
+
+def test_harmful_prediction_is_rolled_back_bit_exactly(tmp_out, monkeypatch):
+    original = VelocityPredictor.apply_
+    calls = {"n": 0}
+
+    def sabotaged(self, lr):
+        original(self, lr)
+        calls["n"] += 1
+        if calls["n"] == 5:  # inside the second Predict phase
+            with torch.no_grad():
+                for p in self.params:
+                    p.add_(3.0)
+
+    monkeypatch.setattr(VelocityPredictor, "apply_", sabotaged)
+    trainer, rows = train_recorded(tmp_out, hybrid_loss_band=3.0)
+    rolled = [i for i, r in enumerate(rows) if r["rollback"]]
+    assert rolled, "the sabotaged prediction must be rolled back"
+    i = rolled[0]
+    assert rows[i]["phase"] is Phase.PREDICT
+    start = i
+    while rows[start - 1]["phase"] is Phase.PREDICT:
+        start -= 1
+    # Back to the weights the last real step produced, to the bit.
+    assert torch.equal(rows[i]["params"], rows[start - 1]["params"])
+    assert rows[i + 1]["phase"] is Phase.FULL
+    stats = trainer.hybrid_stats()
+    assert stats["rollbacks"] >= 1 and stats["divergences"] >= 1
+    assert all(torch.isfinite(r["params"]).all() for r in rows)
+
+
+class NaNInjectingGPT2(type(tiny_gpt2())):
+    """Returns a NaN loss on chosen training forwards (counted separately with and without grad)."""
+
+    nan_at_grad: set = set()
+    nan_at_no_grad: set = set()
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        out = super().forward(input_ids=input_ids, labels=labels, **kwargs)
+        if self.training:
+            grad = torch.is_grad_enabled()
+            key = "_grad_calls" if grad else "_nograd_calls"
+            n = getattr(self, key, 0) + 1
+            setattr(self, key, n)
+            if n in (self.nan_at_grad if grad else self.nan_at_no_grad):
+                out.loss = out.loss * float("nan")
+        return out
+
+
+def nan_model(at_grad=(), at_no_grad=()):
+    model = NaNInjectingGPT2(tiny_gpt2().config)
+    model.load_state_dict(tiny_gpt2().state_dict())
+    model.nan_at_grad, model.nan_at_no_grad = set(at_grad), set(at_no_grad)
+    return model
+
+
+def test_nan_on_real_steps_is_skipped_and_counted(tmp_out):
+    model = nan_model(at_grad=(3, 9, 17))  # warmup, full and later real steps
+    trainer = make_trainer(tmp_out, model=model)
+    trainer.train()
+    stats = trainer.hybrid_stats()
+    assert stats["skipped_steps"] == 3 and stats["non_finite"] == 3
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    adam_steps = {float(s["step"]) for s in trainer.optimizer.optimizer.state.values()}
+    assert adam_steps == {stats["backward_steps"] - 3}
+    assert trainer.state.global_step == 40
+
+
+def test_nan_while_predicting_rolls_back(tmp_out):
+    model = nan_model(at_no_grad=(2,))
+    trainer = make_trainer(tmp_out, model=model)
+    trainer.train()
+    stats = trainer.hybrid_stats()
+    assert stats["rollbacks"] >= 1 and stats["non_finite"] == 1
+    assert all(torch.isfinite(p).all() for p in model.parameters())
