@@ -3,9 +3,26 @@
 Swap `Trainer` for `HybridHFTrainer` (and optionally `TrainingArguments` for `HybridTrainingArguments`).
 """
 
-from .config import HybridTrainingArguments
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from .controller import Phase, PhaseController
-from .trainer import HybridHFTrainer, HybridMixin
+
+if TYPE_CHECKING:
+    from .config import HybridTrainingArguments
+    from .trainer import HybridHFTrainer, HybridMixin
 
 __all__ = ["HybridHFTrainer", "HybridMixin", "HybridTrainingArguments", "Phase", "PhaseController"]
 __version__ = "0.1.0"
+
+_LAZY = {"HybridTrainingArguments": "config", "HybridHFTrainer": "trainer", "HybridMixin": "trainer"}
+
+
+def __getattr__(name: str):
+    # transformers takes seconds to import; `hf_hybrid.plotting` and `hf_hybrid.controller` don't need it.
+    if name in _LAZY:
+        from importlib import import_module
+
+        return getattr(import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'hf_hybrid' has no attribute {name!r}")

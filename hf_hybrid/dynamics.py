@@ -2,7 +2,7 @@
 
 Inputs per real optimizer step are three training-state features (loss, log gradient norm, learning
 rate), each normalized by running statistics. Each ensemble member is a GRU with a Gaussian head that
-predicts the next step's normalized loss; members differ by seed and by a bootstrap mask over time
+predicts the change of the normalized loss at the next step; members differ by seed and by a bootstrap mask over time
 steps. The forecast rolls the members forward, holding the other features at their last values.
 
 Confidence = 0.4 * ensemble agreement + 0.4 * recent accuracy + 0.2 * loss stability, each in [0, 1]:
@@ -64,9 +64,9 @@ class LossDynamicsModel:
         self,
         ensemble_size: int = 4,
         hidden: int = 16,
-        window: int = 64,
-        train_every: int = 10,
-        train_iters: int = 4,
+        window: int = 48,
+        train_every: int = 100,
+        train_iters: int = 3,
         seed: int = 0,
     ) -> None:
         self.window, self.train_every, self.train_iters = window, train_every, train_iters
@@ -84,10 +84,12 @@ class LossDynamicsModel:
         self.steps = 0
         self.hits: deque[float] = deque(maxlen=32)
         self._last_forecast: tuple[float, float] | None = None
+        self._hidden: list[torch.Tensor] | None = None  # each member's state after the latest step
+        self._next: list[torch.Tensor] | None = None  # each member's head output for the next step
 
     @property
     def ready(self) -> bool:
-        return len(self.raw) > 8
+        return len(self.raw) > 8 and self._hidden is not None
 
     def observe(self, loss: float, grad_norm: float | None, lr: float) -> None:
         """Record one real step; score the previous one-step forecast; train now and then."""
@@ -101,11 +103,33 @@ class LossDynamicsModel:
         self.norm.update(x)
         self.raw.append(x)
         self.steps += 1
-        if self.ready and self.steps % self.train_every == 0:
-            self._train()
-        if self.ready:
-            mean, std = self.forecast(1)
-            self._last_forecast = (mean[0], std[0])
+        if len(self.raw) <= 8:
+            return
+        if self.steps % self.train_every == 0 or self._hidden is None:
+            if self.steps % self.train_every == 0:
+                self._train()
+            self._replay()
+        else:
+            self._advance(x)
+        mean, std = self.forecast(1)
+        self._last_forecast = (mean[0], std[0])
+
+    @torch.no_grad()
+    def _replay(self) -> None:
+        """Recompute every member's state over the window (after training changed the weights)."""
+        seq = self._sequence()
+        self._hidden, self._next = [], []
+        for member in self.members:
+            out, h = member(seq)
+            self._hidden.append(h)
+            self._next.append(out[:, -1:])
+
+    @torch.no_grad()
+    def _advance(self, x: list[float]) -> None:
+        """One recurrent step per member: the per-step cost stays constant between trainings."""
+        step = torch.tensor([[self.norm.normalize(x)]], dtype=torch.float32)
+        for k, member in enumerate(self.members):
+            self._next[k], self._hidden[k] = member(step, self._hidden[k])
 
     def _sequence(self) -> torch.Tensor:
         return torch.tensor([self.norm.normalize(x) for x in self.raw], dtype=torch.float32).unsqueeze(0)
@@ -121,7 +145,8 @@ class LossDynamicsModel:
             total = torch.zeros(())
             for member, mask in zip(self.members, masks):
                 out, _ = member(inputs)
-                mean, log_var = out[..., 0], out[..., 1].clamp(-6.0, 4.0)
+                # A residual on the last loss: an untrained member forecasts persistence, not noise.
+                mean, log_var = inputs[..., 0] + out[..., 0], out[..., 1].clamp(-6.0, 4.0)
                 nll = 0.5 * (log_var + (targets - mean) ** 2 / log_var.exp())
                 total = total + (nll * mask).sum() / mask.sum().clamp_min(1.0)
             total.backward()
@@ -130,22 +155,20 @@ class LossDynamicsModel:
     @torch.no_grad()
     def _rollouts(self, horizon: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Per member, the normalized mean and variance of the next `horizon` losses."""
-        seq = self._sequence()
+        last = torch.tensor([[self.norm.normalize(self.raw[-1])]], dtype=torch.float32)
         means, variances = [], []
-        for member in self.members:
-            out, h = member(seq)
-            step_out = out[:, -1:]
-            last = seq[:, -1:].clone()
+        for member, h, step_out in zip(self.members, self._hidden, self._next):
+            inputs = last.clone()
             m_list, v_list = [], []
             for _ in range(horizon):
-                mean, log_var = step_out[..., 0], step_out[..., 1].clamp(-6.0, 4.0)
-                m_list.append(mean.item())
-                v_list.append(log_var.exp().item())
-                last[..., 0] = mean
-                step_out, h = member(last, h)
-            means.append(m_list)
-            variances.append(v_list)
-        return torch.tensor(means), torch.tensor(variances)
+                mean, log_var = inputs[..., 0] + step_out[..., 0], step_out[..., 1].clamp(-6.0, 4.0)
+                m_list.append(mean.reshape(()))
+                v_list.append(log_var.exp().reshape(()))
+                inputs[..., 0] = mean
+                step_out, h = member(inputs, h)
+            means.append(torch.stack(m_list))
+            variances.append(torch.stack(v_list))
+        return torch.stack(means), torch.stack(variances)
 
     def forecast(self, horizon: int) -> tuple[list[float], list[float]]:
         """Mean and standard deviation of the next `horizon` losses, in loss units."""
@@ -181,6 +204,9 @@ class LossDynamicsModel:
             "steps": self.steps,
             "hits": list(self.hits),
             "last_forecast": self._last_forecast,
+            # Advanced step by step since the last replay; a replay would not reproduce it exactly.
+            "hidden": self._hidden,
+            "next": self._next,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -193,3 +219,4 @@ class LossDynamicsModel:
         self.steps = state["steps"]
         self.hits = deque(state["hits"], maxlen=32)
         self._last_forecast = tuple(state["last_forecast"]) if state["last_forecast"] else None
+        self._hidden, self._next = state["hidden"], state["next"]

@@ -51,7 +51,7 @@ class _HybridStepHooks(TrainerCallback):
         self.trainer._hybrid_end_step()
 
     def on_train_end(self, args, state, control, **kwargs):
-        self.trainer._hybrid_close_trace()
+        self.trainer._hybrid_train_end()
 
 
 class HybridMixin:
@@ -76,7 +76,9 @@ class HybridMixin:
 
     def _check_launch_mode(self) -> None:
         if self.is_deepspeed_enabled:
-            config = self.args.deepspeed or os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or "the accelerate config"
+            config = (
+                self.args.deepspeed or os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or "the accelerate config"
+            )
             raise ValueError(
                 f"hf_hybrid does not support DeepSpeed yet (config: {config}): DeepSpeed owns the optimizer step and "
                 "the fp32 master weights, so a predicted delta would be silently overwritten. Launch with DDP or "
@@ -233,7 +235,8 @@ class HybridMixin:
 
     def _hybrid_reduce(self, *values) -> list[float]:
         """Average scalars across ranks in one collective, so every rank decides on the same numbers."""
-        stacked = torch.stack([torch.as_tensor(v, dtype=torch.float32).to(self.args.device).reshape(()) for v in values])
+        device = self.args.device
+        stacked = torch.stack([torch.as_tensor(v, dtype=torch.float32).to(device).reshape(()) for v in values])
         if self.accelerator.num_processes > 1:
             stacked = self.accelerator.reduce(stacked, reduction="mean")
         return stacked.tolist()
@@ -241,14 +244,27 @@ class HybridMixin:
     def _hybrid_train_begin(self) -> None:
         self._hybrid = None  # a new train() call prepares the model again: rebuild on the first step
         self._hybrid_t0 = time.perf_counter()
-        if self.hybrid_settings.hybrid_trace and self.is_world_process_zero():
-            os.makedirs(self.args.output_dir, exist_ok=True)
-            self._hybrid_trace = open(os.path.join(self.args.output_dir, TRACE_NAME), "a", buffering=1)
+        if not (self.hybrid_settings.hybrid_trace and self.is_world_process_zero()):
+            return
+        os.makedirs(self.args.output_dir, exist_ok=True)
+        path = os.path.join(self.args.output_dir, TRACE_NAME)
+        # A resumed run keeps the trace up to its checkpoint and continues its clock; a fresh one starts over.
+        kept = []
+        if self.state.global_step > 0 and os.path.isfile(path):
+            with open(path) as f:
+                kept = [line for line in f if json.loads(line)["step"] <= self.state.global_step]
+            if kept:
+                self._hybrid_t0 -= json.loads(kept[-1])["time"]
+        with open(path, "w") as f:
+            f.writelines(kept)
+        self._hybrid_trace = open(path, "a", buffering=1)
 
-    def _hybrid_close_trace(self) -> None:
+    def _hybrid_train_end(self) -> None:
         if self._hybrid_trace is not None:
             self._hybrid_trace.close()
             self._hybrid_trace = None
+        if self._vram is not None:
+            self._vram.shutdown()
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self._hybrid is not None and not any(k.startswith("eval_") for k in logs):
