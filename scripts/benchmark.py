@@ -1,0 +1,388 @@
+"""A/B benchmark: the plain `Trainer` against `HybridHFTrainer`, by wall-clock time to the same eval loss.
+
+    python scripts/benchmark.py --preset cpu-small            # the README's main job
+    python scripts/benchmark.py --preset gpt2-124m            # on a GPU
+    python scripts/benchmark.py --preset cpu-small --mode overhead   # hybrid with prediction off
+
+Both arms share the model init, data order, seed and settings. Each arm runs in its own process (clean
+timing and peak memory), arms alternate, and `--repeats` pairs are run; medians are reported. The
+target is the baseline's final eval loss; the hybrid may run up to `--hybrid_budget` times the
+baseline's steps to reach it. Training time excludes evaluation. Writes JSON and a PNG to --output_dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+PRESETS = {
+    # A small GPT-2 with the real 50257-token vocabulary, on the shipped corpus: minutes on 2 CPU cores.
+    "cpu-small": dict(
+        model=dict(n_layer=2, n_embd=128, n_head=4, n_positions=64),
+        block_size=64, batch_size=8, grad_accum=1, max_steps=300, eval_steps=30, eval_blocks=32,
+        learning_rate=2e-3, warmup_steps=20, weight_decay=0.1, optim="adamw_torch", bf16=False,
+        hybrid=dict(hybrid_warmup_steps=40, hybrid_full_steps=10, hybrid_max_predict_steps=8,
+                    hybrid_min_predict_steps=2, hybrid_correct_steps=2, hybrid_confidence_threshold=0.5,
+                    hybrid_monitor_interval=1),
+    ),
+    # For a seconds-long CI smoke run of this script.
+    "smoke": dict(
+        model=dict(n_layer=1, n_embd=32, n_head=2, n_positions=32),
+        block_size=32, batch_size=4, grad_accum=1, max_steps=12, eval_steps=6, eval_blocks=8,
+        learning_rate=3e-3, warmup_steps=2, weight_decay=0.0, optim="adamw_torch", bf16=False,
+        hybrid=dict(hybrid_warmup_steps=3, hybrid_full_steps=2, hybrid_max_predict_steps=3,
+                    hybrid_min_predict_steps=1, hybrid_correct_steps=1, hybrid_confidence_threshold=0.0),
+    ),
+    # GPT2Config defaults (124M) from scratch; the tuned GPU baseline: bf16, fused AdamW, SDPA.
+    "gpt2-124m": dict(
+        model=dict(),
+        block_size=1024, batch_size=16, grad_accum=2, max_steps=3000, eval_steps=100, eval_blocks=128,
+        learning_rate=6e-4, warmup_steps=100, weight_decay=0.1, optim="adamw_torch_fused", bf16=True,
+        hybrid=dict(hybrid_warmup_steps=200, hybrid_full_steps=20, hybrid_max_predict_steps=10,
+                    hybrid_min_predict_steps=2, hybrid_correct_steps=2, hybrid_confidence_threshold=0.5),
+    ),
+}
+
+
+@dataclass
+class ArmResult:
+    arm: str
+    evals: list = field(default_factory=list)  # [step, train_seconds, eval_loss]
+    steps: int = 0
+    train_seconds: float = 0.0
+    tokens: int = 0
+    step_seconds: list = field(default_factory=list)  # per optimizer step, training time only
+    phases: list = field(default_factory=list)  # per optimizer step
+    timing: dict = field(default_factory=dict)  # forward/backward/optimizer seconds
+    peak_memory_mb: float = 0.0
+    hybrid_stats: dict | None = None
+    reached_step: int | None = None
+
+
+# ---- one arm, in its own process ----------------------------------------------------------------
+
+
+def run_arm(arm: str, preset: dict, out_dir: Path, seed: int, hybrid_overrides: dict, budget: float,
+            target: float | None) -> ArmResult:
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+    from hf_hybrid import HybridHFTrainer, HybridTrainingArguments
+    from hf_hybrid.data import build_lm_datasets, load_shipped_corpus, load_shipped_tokenizer
+
+    cuda = torch.cuda.is_available()
+    tokenizer = load_shipped_tokenizer()
+    datasets = build_lm_datasets(load_shipped_corpus(), tokenizer, preset["block_size"])
+    eval_set = datasets["validation"].select(range(min(preset["eval_blocks"], len(datasets["validation"]))))
+    config = GPT2Config(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                        eos_token_id=tokenizer.eos_token_id, **preset["model"])
+    torch.manual_seed(seed)
+    model = GPT2LMHeadModel(config)  # same seed, same init in every arm
+    if cuda:
+        model.config._attn_implementation = "sdpa"
+
+    hybrid = arm != "baseline"
+    max_steps = preset["max_steps"] if not hybrid or target is None else math.ceil(preset["max_steps"] * budget)
+    common = dict(
+        output_dir=str(out_dir), max_steps=max_steps, per_device_train_batch_size=preset["batch_size"],
+        per_device_eval_batch_size=max(preset["batch_size"], 16), gradient_accumulation_steps=preset["grad_accum"],
+        learning_rate=preset["learning_rate"], lr_scheduler_type="constant_with_warmup",
+        warmup_steps=preset["warmup_steps"], weight_decay=preset["weight_decay"], optim=preset["optim"],
+        bf16=preset["bf16"] and cuda, eval_strategy="steps", eval_steps=preset["eval_steps"], logging_steps=25,
+        save_strategy="no", report_to="none", seed=seed, data_seed=seed, disable_tqdm=True,
+        dataloader_num_workers=0, use_cpu=not cuda,
+    )
+    result = ArmResult(arm=arm)
+    clock = {"t0": 0.0, "paused": 0.0, "last_end": 0.0, "step_begin": 0.0}
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            clock["t0"] = clock["last_end"] = time.perf_counter()
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            clock["step_begin"] = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if cuda:
+                torch.cuda.synchronize()
+            now = time.perf_counter()
+            result.step_seconds.append(now - clock["step_begin"])
+            engine = getattr(trainer, "_hybrid", None)
+            result.phases.append(engine.last_record.phase.value if engine is not None else "full")
+            clock["last_end"] = now
+
+        def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+            # Evaluation is not training: stop the clock for it (it ran since the last step ended).
+            loss = metrics["eval_loss"]
+            result.evals.append([state.global_step, clock["last_end"] - clock["t0"] - clock["paused"], loss])
+            now = time.perf_counter()
+            clock["paused"] += now - clock["last_end"]
+            clock["last_end"] = now
+            if target is not None and loss <= target and result.reached_step is None:
+                result.reached_step = state.global_step
+                if hybrid:
+                    control.should_training_stop = True
+
+    class Timed:
+        """Forward / backward / optimizer seconds, synchronized at each boundary on a GPU."""
+
+        def _tick(self) -> float:
+            if cuda:
+                torch.cuda.synchronize()
+            return time.perf_counter()
+
+        def compute_loss(self, model, *args, **kwargs):
+            if not model.training:  # evaluation
+                return super().compute_loss(model, *args, **kwargs)
+            t = self._tick()
+            out = super().compute_loss(model, *args, **kwargs)
+            self._fwd = self._tick() - t
+            result.timing["forward"] = result.timing.get("forward", 0.0) + self._fwd
+            return out
+
+        def training_step(self, *args, **kwargs):
+            t = self._tick()
+            self._fwd = 0.0
+            out = super().training_step(*args, **kwargs)
+            engine = getattr(self, "_hybrid", None)
+            if engine is None or engine.phase.value != "predict":
+                result.timing["backward"] = result.timing.get("backward", 0.0) + self._tick() - t - self._fwd
+            return out
+
+    class OptimizerClock(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            if cuda:
+                torch.cuda.synchronize()
+            self.t = time.perf_counter()
+
+        def on_optimizer_step(self, args, state, control, **kwargs):
+            if cuda:
+                torch.cuda.synchronize()
+            result.timing["optimizer"] = result.timing.get("optimizer", 0.0) + time.perf_counter() - self.t
+
+    if hybrid:
+        trainer_cls = type("TimedHybrid", (Timed, HybridHFTrainer), {})
+        args = HybridTrainingArguments(**common, **{**preset["hybrid"], **hybrid_overrides})
+    else:
+        trainer_cls = type("TimedTrainer", (Timed, Trainer), {})
+        args = TrainingArguments(**common)
+    trainer = trainer_cls(model=model, args=args, train_dataset=datasets["train"], eval_dataset=eval_set)
+    # Added after construction so they run after the hybrid's own hooks: its per-step work is timed too.
+    trainer.add_callback(Clock())
+    trainer.add_callback(OptimizerClock())
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    trainer.train()
+    result.steps = trainer.state.global_step
+    result.train_seconds = clock["last_end"] - clock["t0"] - clock["paused"]
+    result.tokens = result.steps * preset["batch_size"] * preset["grad_accum"] * preset["block_size"]
+    if not result.evals or result.evals[-1][0] != result.steps:
+        metrics = trainer.evaluate()
+        result.evals.append([result.steps, result.train_seconds, metrics["eval_loss"]])
+    if cuda:
+        result.peak_memory_mb = torch.cuda.max_memory_allocated() / 2**20
+    else:
+        import resource
+
+        result.peak_memory_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if hybrid:
+        result.hybrid_stats = trainer.hybrid_stats()
+    return result
+
+
+# ---- orchestration ------------------------------------------------------------------------------
+
+
+def time_to(evals: list, target: float) -> float | None:
+    return next((t for _, t, loss in evals if loss <= target), None)
+
+
+def launch(arm: str, args, out_dir: Path, target: float | None, overrides: dict) -> ArmResult:
+    spec = dict(arm=arm, preset=args.preset, seed=args.seed, budget=args.hybrid_budget, target=target,
+                overrides=overrides, out_dir=str(out_dir), max_steps=args.max_steps)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, __file__, "--_arm", json.dumps(spec)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"benchmark: the {arm} arm failed:\n{done.stderr[-4000:]}")
+    return ArmResult(**json.loads((out_dir / "arm_result.json").read_text()))
+
+
+def arm_main(spec_json: str) -> None:
+    spec = json.loads(spec_json)
+    preset = dict(PRESETS[spec["preset"]])
+    if spec["max_steps"]:
+        preset["max_steps"] = spec["max_steps"]
+    out_dir = Path(spec["out_dir"])
+    result = run_arm(spec["arm"], preset, out_dir, spec["seed"], spec["overrides"], spec["budget"], spec["target"])
+    (out_dir / "arm_result.json").write_text(json.dumps(asdict(result)))
+
+
+def summarize(arm: ArmResult, target: float | None) -> dict:
+    real = [s for s, p in zip(arm.step_seconds, arm.phases) if p != "predict"]
+    per_phase: dict[str, float] = {}
+    for seconds, phase in zip(arm.step_seconds, arm.phases):
+        per_phase[phase] = per_phase.get(phase, 0.0) + seconds
+    return {
+        "steps": arm.steps,
+        "train_seconds": arm.train_seconds,
+        "final_eval_loss": arm.evals[-1][2],
+        "final_perplexity": math.exp(arm.evals[-1][2]),
+        "time_to_target": time_to(arm.evals, target) if target is not None else None,
+        "tokens_per_second": arm.tokens / arm.train_seconds,
+        "median_real_step_seconds": statistics.median(real) if real else None,
+        "seconds_per_phase": per_phase,
+        "timing": arm.timing,
+        "peak_memory_mb": arm.peak_memory_mb,
+        "hybrid_stats": arm.hybrid_stats,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu-small")
+    parser.add_argument("--mode", choices=["speed", "overhead"], default="speed",
+                        help="speed: time to the baseline's eval loss; overhead: hybrid with prediction off")
+    parser.add_argument("--repeats", type=int, default=2, help="baseline/hybrid pairs, run alternately")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max_steps", type=int, default=0, help="override the preset's baseline steps")
+    parser.add_argument("--hybrid_budget", type=float, default=1.5,
+                        help="the hybrid may run this many times the baseline's steps to reach the target")
+    parser.add_argument("--set", nargs="*", default=[], metavar="FLAG=VALUE",
+                        help="hybrid flag overrides, e.g. hybrid_predictor=adam hybrid_monitor_interval=4")
+    parser.add_argument("--output_dir", default="runs/benchmark")
+    parser.add_argument("--_arm", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args._arm:
+        return arm_main(args._arm)
+
+    overrides = {}
+    for item in args.set:
+        key, _, value = item.partition("=")
+        overrides[key] = json.loads(value) if value not in ("velocity", "adam") else value
+    if args.mode == "overhead":
+        overrides["hybrid_confidence_threshold"] = 1.0
+    root = Path(args.output_dir) / f"{args.preset}-{args.mode}"
+    baselines, hybrids = [], []
+    for r in range(args.repeats):
+        base = launch("baseline", args, root / f"baseline-{r}", target=None, overrides={})
+        target = base.evals[-1][2]
+        # With the overhead mode both arms run the same steps; otherwise the hybrid chases the target.
+        hyb = launch("hybrid", args, root / f"hybrid-{r}", target=None if args.mode == "overhead" else target,
+                     overrides=overrides)
+        baselines.append(base)
+        hybrids.append(hyb)
+        print(f"[pair {r}] baseline {base.train_seconds:.1f}s eval {target:.4f} | hybrid {hyb.train_seconds:.1f}s "
+              f"eval {hyb.evals[-1][2]:.4f} reached={hyb.reached_step}", flush=True)
+
+    target = baselines[0].evals[-1][2]
+    report = {"preset": args.preset, "mode": args.mode, "repeats": args.repeats, "target_eval_loss": target,
+              "overrides": overrides, "preset_settings": PRESETS[args.preset],
+              "baseline": [summarize(b, target) for b in baselines],
+              "hybrid": [summarize(h, target) for h in hybrids]}
+    if args.mode == "overhead":
+        ratios = [h["median_real_step_seconds"] / b["median_real_step_seconds"]
+                  for b, h in zip(report["baseline"], report["hybrid"])]
+        report["step_time_ratio_median"] = statistics.median(ratios)
+        report["step_time_ratios"] = ratios
+    else:
+        speedups = []
+        for b, h in zip(report["baseline"], report["hybrid"]):
+            speedups.append(b["time_to_target"] / h["time_to_target"] if h["time_to_target"] else None)
+        report["speedups"] = speedups
+        reached = [s for s in speedups if s is not None]
+        report["speedup_median"] = statistics.median(reached) if len(reached) == len(speedups) else None
+    (root / "report.json").write_text(json.dumps(report, indent=2))
+    print_table(report)
+    plot(root, baselines[0], hybrids[0], target)
+
+
+def print_table(report: dict) -> None:
+    def med(arm: str, key: str):
+        values = [r[key] for r in report[arm] if r[key] is not None]
+        return statistics.median(values) if values else None
+
+    rows = [
+        ("train wall time (s, median)", med("baseline", "train_seconds"), med("hybrid", "train_seconds"), ".1f"),
+        ("optimizer steps", report["baseline"][0]["steps"], report["hybrid"][0]["steps"], "d"),
+        ("final eval loss", report["baseline"][0]["final_eval_loss"], report["hybrid"][0]["final_eval_loss"], ".4f"),
+        ("final perplexity", report["baseline"][0]["final_perplexity"], report["hybrid"][0]["final_perplexity"],
+         ".2f"),
+        ("time to target (s, median)", med("baseline", "time_to_target"), med("hybrid", "time_to_target"), ".1f"),
+        ("tokens/s (median)", med("baseline", "tokens_per_second"), med("hybrid", "tokens_per_second"), ".0f"),
+        ("median real step (ms)", 1000 * med("baseline", "median_real_step_seconds"),
+         1000 * med("hybrid", "median_real_step_seconds"), ".1f"),
+        ("peak memory (MB)", med("baseline", "peak_memory_mb"), med("hybrid", "peak_memory_mb"), ".0f"),
+    ]
+    print(f"\n{report['preset']} ({report['mode']}), {report['repeats']} alternating pairs; "
+          f"target eval loss {report['target_eval_loss']:.4f}")
+    print(f"{'':32}{'Trainer':>14}{'HybridHFTrainer':>18}")
+    for name, a, b, fmt in rows:
+        fa = "-" if a is None else format(a, fmt)
+        fb = "-" if b is None else format(b, fmt)
+        print(f"{name:32}{fa:>14}{fb:>18}")
+    stats = report["hybrid"][0]["hybrid_stats"] or {}
+    if stats:
+        print(f"phase steps: {stats['phase_steps']}")
+        print(f"backward reduction: {stats['backward_reduction']:.3f}, rollbacks: {stats['rollbacks']}, "
+              f"divergences: {stats['divergences']}")
+    timing = report["baseline"][0]["timing"]
+    if timing:
+        print("baseline split (s): " + ", ".join(f"{k} {v:.1f}" for k, v in timing.items()))
+    print("hybrid seconds per phase: " + ", ".join(
+        f"{k} {v:.1f}" for k, v in report["hybrid"][0]["seconds_per_phase"].items()))
+    if report["mode"] == "overhead":
+        print(f"hybrid/baseline median real-step time: {report['step_time_ratio_median']:.3f} "
+              f"(pairs: {', '.join(f'{r:.3f}' for r in report['step_time_ratios'])})")
+    else:
+        speedups = ", ".join("not reached" if s is None else f"{s:.2f}x" for s in report["speedups"])
+        median = report["speedup_median"]
+        print(f"time-to-target speedup: {'-' if median is None else f'{median:.2f}x'} (pairs: {speedups})")
+
+
+def plot(root: Path, baseline: ArmResult, hybrid: ArmResult, target: float) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib not installed: no PNG; pip install hf-hybrid[plot])")
+        return
+    from hf_hybrid.plotting import shade_phases
+
+    trace_path = root / "hybrid-0" / "hybrid_trace.jsonl"
+    trace = [json.loads(line) for line in trace_path.read_text().splitlines()] if trace_path.exists() else []
+    # The trace's clock includes evaluation pauses; put each step on the training-only clock of the arm.
+    train_clock, elapsed = [], 0.0
+    for seconds in hybrid.step_seconds:
+        elapsed += seconds
+        train_clock.append(elapsed)
+    for row, t in zip(trace, train_clock):
+        row["time"] = t
+    fig, ax = plt.subplots(figsize=(9, 5))
+    if trace:
+        shade_phases(ax, trace, x="time")
+    for arm, style in ((baseline, "k-o"), (hybrid, "C3-s")):
+        ax.plot([t for _, t, _ in arm.evals], [loss for _, _, loss in arm.evals], style, ms=3,
+                label="Trainer" if arm.arm == "baseline" else "HybridHFTrainer")
+    ax.axhline(target, color="grey", ls="--", lw=1, label="target (baseline final)")
+    ax.set_xlabel("training wall clock (s, evaluation excluded)")
+    ax.set_ylabel("eval loss")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(root / "eval_loss_vs_wallclock.png", dpi=120)
+    print(f"wrote {root / 'report.json'} and {root / 'eval_loss_vs_wallclock.png'}")
+
+
+if __name__ == "__main__":
+    main()
