@@ -65,6 +65,10 @@ class HybridTrainingArguments(TrainingArguments):
             Write one JSON line per optimizer step to `<output_dir>/hybrid_trace.jsonl` (main process).
         hybrid_vram_min_free_mb (`float`, defaults to `0.0`):
             On a GPU, ask for a checkpoint when free memory falls below this many MB. 0 turns it off.
+        hybrid_offload_optimizer_state (`bool`, defaults to `False`):
+            Predict-aware memory: while predicting, park the optimizer state in pinned host memory (gradients are
+            already freed); it comes back asynchronously before the next real step. Needs the `velocity`
+            predictor (the `adam` predictor reads that state while predicting).
     """
 
     hybrid: bool = field(default=True, metadata={"help": "Turn hybrid predictive training on (false = plain Trainer)."})
@@ -103,6 +107,10 @@ class HybridTrainingArguments(TrainingArguments):
         default=0.0, metadata={"help": "GPU: checkpoint when free VRAM falls below this (MB); 0 = off."}
     )
 
+    hybrid_offload_optimizer_state: bool = field(
+        default=False, metadata={"help": "GPU: park optimizer state in pinned host memory during Predict phases."}
+    )
+
     def __post_init__(self) -> None:
         super().__post_init__()
         validate_hybrid_settings(self)
@@ -137,6 +145,8 @@ def validate_hybrid_settings(settings) -> None:
             bad(flag, "must be > 0")
     if settings.hybrid_vram_min_free_mb < 0:
         bad("hybrid_vram_min_free_mb", "must be >= 0")
+    if settings.hybrid_offload_optimizer_state and settings.hybrid_predictor == "adam":
+        bad("hybrid_offload_optimizer_state", "needs --hybrid_predictor velocity: 'adam' reads the optimizer state")
 
 
 def hybrid_settings(args: TrainingArguments) -> HybridTrainingArguments | SimpleNamespace:

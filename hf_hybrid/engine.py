@@ -19,6 +19,7 @@ from torch import Tensor
 from .controller import PHASE_IDS, ControllerConfig, Phase, PhaseController
 from .divergence import DivergenceMonitor
 from .dynamics import LossDynamicsModel
+from .memory import OptimizerStateOffloader
 from .payoff import PayoffMeter
 from .predictors import PREDICTORS
 
@@ -95,6 +96,7 @@ class HybridEngine:
         kwargs = {"beta": settings.hybrid_velocity_beta} if settings.hybrid_predictor == "velocity" else {}
         self.predictor = predictor_cls(params, optimizer, **kwargs)
         self.snapshot = WeightSnapshot()
+        self.offloader = OptimizerStateOffloader(optimizer) if settings.hybrid_offload_optimizer_state else None
         self._anchor: list[Tensor] | None = None  # parameters before a real optimizer step
         self._predicted: list[Tensor] | None = None
         self.skipped_steps = 0
@@ -116,6 +118,8 @@ class HybridEngine:
             return
         k = self.controller.steps_in_phase
         if k == 0:
+            if self.offloader is not None:
+                self.offloader.offload()
             self.snapshot.capture(self.params)
             if self.settings.hybrid_payoff_check:
                 self.payoff.begin_prediction()
@@ -185,6 +189,8 @@ class HybridEngine:
     def before_optimizer_step(self, lr: float) -> None:
         """Keep the parameters so the real update can be measured after the step; on a Correct step,
         also what the predictor would have done from the same state."""
+        if self.offloader is not None:
+            self.offloader.wait()
         if self._anchor is None:
             self._anchor = [torch.empty_like(p) for p in self.params]
         for a, p in zip(self._anchor, self.params):
@@ -215,6 +221,8 @@ class HybridEngine:
             self.controller.phase_steps[record.phase.value] += 1
         if self.controller.phase is not Phase.PREDICT and self.controller.phase is not Phase.CORRECT:
             self.snapshot.valid = False
+        if self.offloader is not None and self.offloader.is_offloaded and self.controller.phase is not Phase.PREDICT:
+            self.offloader.restore()  # asynchronous: overlaps the next step's forward and backward
         self.last_record, self.record = record, None
         return self.controller.phase
 
