@@ -113,9 +113,9 @@ class HybridMixin:
     # ---- the step ---------------------------------------------------------------------------------
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        if not self.hybrid_settings.hybrid:
+        engine = self._hybrid
+        if engine is None:
             return super().training_step(model, inputs, num_items_in_batch)
-        engine = self._hybrid_engine(model)
         if engine.record is None:  # first micro-batch of this optimizer step
             engine.begin_step(self.state.global_step, self._hybrid_lr())
             self._hybrid_window_loss = torch.zeros((), device=self.args.device)
@@ -219,16 +219,15 @@ class HybridMixin:
 
     # ---- helpers ----------------------------------------------------------------------------------
 
-    def _hybrid_engine(self, model) -> HybridEngine:
-        if self._hybrid is None:
-            # Parameters of the prepared model: under FSDP2 these are the DTensors that hold the local shards.
-            params = [p for p in model.parameters() if p.requires_grad]
-            optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
-            self._hybrid = HybridEngine(self.hybrid_settings, params, optimizer, seed=self.args.seed)
-            if self._hybrid_pending_state is not None:
-                self._hybrid.load_state_dict(self._hybrid_pending_state)
-                self._hybrid_pending_state = None
-        return self._hybrid
+    def _build_engine(self) -> HybridEngine:
+        # Parameters of the prepared model: under FSDP2 these are the DTensors that hold the local shards.
+        params = [p for p in self.model_wrapped.parameters() if p.requires_grad]
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
+        engine = HybridEngine(self.hybrid_settings, params, optimizer, seed=self.args.seed)
+        if self._hybrid_pending_state is not None:
+            engine.load_state_dict(self._hybrid_pending_state)
+            self._hybrid_pending_state = None
+        return engine
 
     def _hybrid_lr(self) -> float:
         return float(self.lr_scheduler.get_last_lr()[0])
@@ -242,7 +241,9 @@ class HybridMixin:
         return stacked.tolist()
 
     def _hybrid_train_begin(self) -> None:
-        self._hybrid = None  # a new train() call prepares the model again: rebuild on the first step
+        # The model and optimizer are prepared by now; each train() call builds the engine anew, before any file
+        # is touched, so a setup error (no trainable parameter, an optimizer the predictor can't read) leaves none.
+        self._hybrid = self._build_engine()
         self._hybrid_t0 = time.perf_counter()
         if not (self.hybrid_settings.hybrid_trace and self.is_world_process_zero()):
             return

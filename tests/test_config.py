@@ -54,3 +54,9 @@ def test_plain_training_arguments_get_hybrid_defaults(tmp_path):
     defaults = HybridTrainingArguments(output_dir=str(tmp_path))
     for f in HYBRID_FIELDS:
         assert getattr(trainer.hybrid_settings, f.name) == getattr(defaults, f.name)
+
+
+def test_offload_with_adam_predictor_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="--hybrid_offload_optimizer_state.*velocity"):
+        HybridTrainingArguments(output_dir=str(tmp_path), hybrid_offload_optimizer_state=True,
+                                hybrid_predictor="adam")

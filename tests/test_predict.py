@@ -17,6 +17,14 @@ class StepRecorder(TrainerCallback):
         self.trainer = None
         self.rows = []
         self._had_grad = None
+        self.optimizer_calls = 0
+
+    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+        # AdamW's own `step` count cannot show a skipped step (it ignores parameters without .grad); count calls.
+        optimizer.optimizer.register_step_post_hook(self._count)
+
+    def _count(self, optimizer, args, kwargs):
+        self.optimizer_calls += 1
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
         self._had_grad = any(p.grad is not None for p in model.parameters())
@@ -28,6 +36,7 @@ class StepRecorder(TrainerCallback):
             "phase": engine.last_record.phase,
             "had_grad": self._had_grad,
             "adam_step": float(first.get("step", 0)),
+            "optimizer_calls": self.optimizer_calls,
             "params": flat_params(model),
             "rollback": engine.last_record.rollback,
         })
@@ -52,10 +61,12 @@ def test_predict_moves_weights_without_backward_or_optimizer(tmp_out):
         assert torch.isfinite(row["params"]).all()
         assert row["had_grad"] is False, "no backward may run on a predicted step"
         assert row["adam_step"] == prev["adam_step"], "the optimizer must not step on a predicted step"
+        assert row["optimizer_calls"] == prev["optimizer_calls"], "optimizer.step() ran on a predicted step"
     for i, row in enumerate(rows[1:], start=1):
         if row["phase"] is not Phase.PREDICT:
             assert row["had_grad"] is True
             assert row["adam_step"] == rows[i - 1]["adam_step"] + 1
+            assert row["optimizer_calls"] == rows[i - 1]["optimizer_calls"] + 1
     stats = trainer.hybrid_stats()
     assert stats["predict_steps"] == sum(r["phase"] is Phase.PREDICT for r in rows)
     assert stats["backward_steps"] + stats["predict_steps"] == trainer.state.global_step
@@ -79,7 +90,7 @@ def test_gradient_accumulation_predicts_per_optimizer_step(tmp_out):
     assert len(rows) == trainer.state.global_step == 30
     for i, row in enumerate(rows[1:], start=1):
         if row["phase"] is Phase.PREDICT:
-            assert row["adam_step"] == rows[i - 1]["adam_step"]
+            assert row["optimizer_calls"] == rows[i - 1]["optimizer_calls"]
     assert float(next(iter(trainer.optimizer.optimizer.state.values()))["step"]) == stats["backward_steps"]
 
 

@@ -1,0 +1,292 @@
+"""The mixin with the rest of the ecosystem: TRL's SFTTrainer, PEFT/LoRA, TensorBoard, bf16 autocast on CPU,
+and the one-line errors for set-ups that cannot work."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback
+
+from hf_hybrid import HybridHFTrainer, HybridMixin, HybridTrainingArguments, Phase
+
+from .conftest import flat_params, hybrid_args, make_trainer, tiny_gpt2, token_dataset
+
+# The schedule of conftest.hybrid_args, which makes a 40-step run predict several times.
+FAST_SCHEDULE = dict(
+    hybrid_warmup_steps=5,
+    hybrid_full_steps=3,
+    hybrid_max_predict_steps=4,
+    hybrid_min_predict_steps=2,
+    hybrid_correct_steps=1,
+    hybrid_confidence_threshold=0.0,
+    hybrid_payoff_check=False,
+    hybrid_loss_band=50.0,
+)
+
+
+def adam_step_counts(trainer) -> set[float]:
+    """AdamW's per-parameter `step`, for every parameter it holds state for."""
+    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    return {float(state["step"]) for state in optimizer.state.values()}
+
+
+class OptimizerStepCounter(TrainerCallback):
+    """Counts the calls that reach the torch optimizer's `step` (past accelerate's wrapper and its veto).
+
+    AdamW's per-parameter `step` alone cannot tell: it skips parameters whose `.grad` is None, and a Predict
+    step leaves every `.grad` None, so the state would not move even if `step()` ran."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+        inner = getattr(optimizer, "optimizer", optimizer)
+        inner.register_step_post_hook(self._count)
+
+    def _count(self, optimizer, args, kwargs):
+        self.calls += 1
+
+
+def assert_optimizer_ran_only_on_real_steps(trainer, counter: OptimizerStepCounter) -> None:
+    stats = trainer.hybrid_stats()
+    assert counter.calls == stats["backward_steps"], "the optimizer's step() ran on a predicted step"
+    assert adam_step_counts(trainer) == {float(stats["backward_steps"])}
+
+
+@torch.no_grad()
+def lm_loss(model, dataset: Dataset, n: int = 64) -> float:
+    """Plain fp32 language-model loss of `model` on the first `n` sequences."""
+    was_training = model.training
+    model.eval()
+    ids = torch.tensor(dataset[:n]["input_ids"])
+    loss = float(model(input_ids=ids, labels=ids).loss)
+    model.train(was_training)
+    return loss
+
+
+# ---- TRL ----------------------------------------------------------------------------------------------
+
+
+def _sft_classes():
+    trl = pytest.importorskip("trl")
+
+    # SFTConfig first: dataclass fields are collected along the reversed MRO, and HybridTrainingArguments
+    # carries every TrainingArguments field with the *TrainingArguments* default. With
+    # (HybridTrainingArguments, SFTConfig) those would silently undo TRL's default overrides (learning_rate
+    # 2e-5, logging_steps 10, gradient_checkpointing, bf16). Either order gives isinstance(...,
+    # HybridTrainingArguments), so the mixin reads the hybrid flags, and __post_init__ still validates them.
+    @dataclass
+    class HybridSFTConfig(trl.SFTConfig, HybridTrainingArguments):
+        pass
+
+    class HybridSFTTrainer(HybridMixin, trl.SFTTrainer):
+        pass
+
+    return trl, HybridSFTConfig, HybridSFTTrainer
+
+
+def _sft_text() -> Dataset:
+    subjects = ["the cat", "the dog", "a king", "the queen", "a fool"]
+    places = ["the mat", "a hat", "the throne", "the stage", "a ship"]
+    texts = [f"{s} sat on {p}, and {p} was under {s}." for s in subjects for p in places]
+    return Dataset.from_dict({"text": texts * 4})
+
+
+def test_sft_config_keeps_trl_defaults_and_validates_hybrid_flags(tmp_path):
+    trl, HybridSFTConfig, _ = _sft_classes()
+    config = HybridSFTConfig(output_dir=str(tmp_path), use_cpu=True)
+    plain = trl.SFTConfig(output_dir=str(tmp_path), use_cpu=True)
+    assert isinstance(config, HybridTrainingArguments)
+    assert (config.learning_rate, config.logging_steps) == (plain.learning_rate, plain.logging_steps)
+    assert config.hybrid_warmup_steps == 100
+    with pytest.raises(ValueError, match="hybrid_full_steps"):
+        HybridSFTConfig(output_dir=str(tmp_path), use_cpu=True, hybrid_full_steps=0)
+
+
+def test_sft_trainer_with_mixin_predicts_and_skips_the_optimizer(tmp_path):
+    _, HybridSFTConfig, HybridSFTTrainer = _sft_classes()
+    from hf_hybrid.data import load_shipped_tokenizer
+
+    tokenizer = load_shipped_tokenizer()
+    tokenizer.pad_token = tokenizer.eos_token
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_positions=32, n_embd=16, n_layer=1, n_head=2,
+                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    # TRL's own defaults stay on (gradient checkpointing); two micro-batches per step take SFTTrainer's
+    # num_items_in_batch loss path, which the no-grad checking forward of a Predict step must scale alike.
+    args = HybridSFTConfig(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, gradient_accumulation_steps=2,
+        learning_rate=3e-3, max_steps=24, logging_steps=4, save_strategy="no", report_to="none", use_cpu=True,
+        disable_tqdm=True, seed=0, bf16=False, max_length=32, **FAST_SCHEDULE,
+    )
+    assert args.gradient_checkpointing
+    trainer = HybridSFTTrainer(model=model, args=args, train_dataset=_sft_text(), processing_class=tokenizer)
+    counter = OptimizerStepCounter()
+    trainer.add_callback(counter)
+    trainer.train()
+
+    stats = trainer.hybrid_stats()
+    assert stats["predict_steps"] >= 4
+    assert stats["backward_steps"] + stats["predict_steps"] == trainer.state.global_step == 24
+    assert_optimizer_ran_only_on_real_steps(trainer, counter)
+    assert torch.isfinite(flat_params(model)).all()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
+    # Per optimizer step (trace): a checked predicted loss is on the scale of the real loss just before it.
+    rows = [json.loads(line) for line in (tmp_path / "out" / "hybrid_trace.jsonl").read_text().splitlines()]
+    for prev, row in zip(rows, rows[1:]):
+        if row["phase"] == Phase.PREDICT.value and row["loss"] is not None and prev["phase"] != Phase.PREDICT.value:
+            assert abs(row["loss"] - prev["loss"]) < 0.5, (prev, row)
+
+
+# ---- PEFT ---------------------------------------------------------------------------------------------
+
+
+def test_lora_trains_only_adapters_and_predicts(tmp_path):
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(
+        tiny_gpt2(), peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["c_attn"],
+                                     fan_in_fan_out=True)
+    )
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    lora = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    assert lora and all("lora_" in n for n in lora)
+
+    trainer = HybridHFTrainer(model=model, args=hybrid_args(tmp_path / "out"), train_dataset=token_dataset())
+    counter = OptimizerStepCounter()
+    trainer.add_callback(counter)
+    trainer.train()
+
+    stats = trainer.hybrid_stats()
+    assert stats["predict_steps"] > 0
+    named = dict(model.named_parameters())
+    changed_frozen = [n for n, before in frozen.items() if not torch.equal(named[n], before)]
+    assert not changed_frozen, f"frozen weights moved: {changed_frozen[:3]}"
+    unchanged_lora = [n for n, before in lora.items() if torch.equal(named[n], before)]
+    assert not unchanged_lora, f"LoRA weights did not train: {unchanged_lora}"
+    assert all(torch.isfinite(named[n]).all() for n in lora)
+
+    engine_params = trainer._hybrid.params
+    assert all(p.requires_grad for p in engine_params)
+    assert len(engine_params) == len(lora)
+    assert {id(p) for p in engine_params} == {id(named[n]) for n in lora}
+    assert_optimizer_ran_only_on_real_steps(trainer, counter)
+
+
+# ---- TensorBoard ---------------------------------------------------------------------------------------
+
+
+def test_tensorboard_gets_numeric_hybrid_scalars(tmp_path, monkeypatch):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logdir = tmp_path / "tb"
+    # transformers 5 dropped TrainingArguments.logging_dir; TensorBoardCallback reads this variable instead.
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(logdir))
+    trainer = make_trainer(tmp_path / "out", report_to="tensorboard")
+    trainer.train()
+
+    assert list(logdir.glob("events.out.tfevents.*")), "no TensorBoard event file written"
+    events = EventAccumulator(str(logdir))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    wanted = ["train/hybrid/phase", "train/hybrid/backward_reduction", "train/hybrid/confidence"]
+    assert set(wanted) <= tags, sorted(tags)
+    series = {tag: [e.value for e in events.Scalars(tag)] for tag in wanted}
+    for tag, values in series.items():
+        assert len(values) >= 8 and all(math.isfinite(v) for v in values), tag
+    assert set(series["train/hybrid/phase"]) <= {0.0, 1.0, 2.0, 3.0}
+    assert all(0.0 <= v <= 1.0 for v in series["train/hybrid/confidence"])
+    assert max(series["train/hybrid/confidence"]) > 0.0
+    stats = trainer.hybrid_stats()
+    assert stats["predict_steps"] > 0
+    assert series["train/hybrid/backward_reduction"][-1] == pytest.approx(stats["backward_reduction"], rel=1e-6)
+
+
+# ---- one-line errors ----------------------------------------------------------------------------------
+
+
+def _frozen_model():
+    model = tiny_gpt2()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needles"),
+    [
+        (dict(model=_frozen_model), ["trainable"]),
+        (dict(hybrid_predictor="adam", optim="sgd"), ["hybrid_predictor", "adam", "SGD", "velocity"]),
+    ],
+    ids=["no-trainable-params", "adam-predictor-with-sgd"],
+)
+def test_unsupported_setups_fail_in_one_line(tmp_path, overrides, needles):
+    overrides = dict(overrides)
+    if "model" in overrides:
+        overrides["model"] = overrides["model"]()
+    trainer = make_trainer(tmp_path / "out", max_steps=3, **overrides)
+    with pytest.raises(ValueError) as info:
+        trainer.train()
+    message = str(info.value)
+    assert "\n" not in message
+    for needle in needles:
+        assert needle in message
+
+
+def test_unsupported_setup_leaves_no_open_trace_file(tmp_path):
+    trainer = make_trainer(tmp_path / "out", max_steps=3, hybrid_predictor="adam", optim="sgd")
+    with pytest.raises(ValueError, match="velocity"):
+        trainer.train()
+    trace = trainer._hybrid_trace
+    try:
+        assert trace is None or trace.closed, "hybrid_trace.jsonl left open after a failed train()"
+    finally:
+        if trace is not None:
+            trace.close()
+
+
+# ---- bf16 autocast on CPU -----------------------------------------------------------------------------
+
+
+class _ForwardDtypes:
+    """The dtype of lm_head's output on each forward, by the phase of the optimizer step it ran in."""
+
+    def __init__(self, trainer, model) -> None:
+        self.by_phase: dict[Phase, set[torch.dtype]] = {}
+        model.lm_head.register_forward_hook(self._hook)
+        self.trainer = trainer
+
+    def _hook(self, module, args, output):
+        engine = self.trainer._hybrid
+        if engine is not None and engine.record is not None:
+            self.by_phase.setdefault(engine.record.phase, set()).add(output.dtype)
+
+
+def test_bf16_autocast_on_cpu_predicts_and_learns(tmp_path):
+    model, data = tiny_gpt2(), token_dataset()
+    before = lm_loss(model, data)
+    trainer = make_trainer(tmp_path / "out", model=model, dataset=data, bf16=True)
+    dtypes = _ForwardDtypes(trainer, model)
+    counter = OptimizerStepCounter()
+    trainer.add_callback(counter)
+    trainer.train()
+
+    assert trainer.accelerator.mixed_precision == "bf16"
+    stats = trainer.hybrid_stats()
+    assert stats["predict_steps"] > 0 and stats["rollbacks"] == 0
+    assert_optimizer_ran_only_on_real_steps(trainer, counter)
+    assert all(p.dtype is torch.float32 for p in model.parameters()), "autocast must keep fp32 master weights"
+    assert torch.isfinite(flat_params(model)).all()
+    # The checking forward of a Predict step runs under the same autocast as a real step's forward.
+    assert dtypes.by_phase.get(Phase.PREDICT) == {torch.bfloat16}
+    assert dtypes.by_phase.get(Phase.FULL) == {torch.bfloat16}
+    after = lm_loss(model, data)
+    assert after < before - 0.5, (before, after)
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert losses[-1] < losses[0]
