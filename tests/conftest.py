@@ -36,6 +36,20 @@ def token_dataset(n: int = 512, seed: int = 0) -> Dataset:
     return Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
 
 
+# A schedule that makes a 40-step run predict several times; no payoff gate, a loose band (tests that need the
+# gate or the band set them).
+FAST_SCHEDULE = dict(
+    hybrid_warmup_steps=5,
+    hybrid_full_steps=3,
+    hybrid_max_predict_steps=4,
+    hybrid_min_predict_steps=2,
+    hybrid_correct_steps=1,
+    hybrid_confidence_threshold=0.0,
+    hybrid_payoff_check=False,
+    hybrid_loss_band=50.0,
+)
+
+
 def hybrid_args(output_dir, **overrides) -> HybridTrainingArguments:
     values = dict(
         output_dir=str(output_dir),
@@ -49,14 +63,7 @@ def hybrid_args(output_dir, **overrides) -> HybridTrainingArguments:
         data_seed=0,
         use_cpu=True,
         disable_tqdm=True,
-        hybrid_warmup_steps=5,
-        hybrid_full_steps=3,
-        hybrid_max_predict_steps=4,
-        hybrid_min_predict_steps=2,
-        hybrid_correct_steps=1,
-        hybrid_confidence_threshold=0.0,
-        hybrid_payoff_check=False,
-        hybrid_loss_band=50.0,
+        **FAST_SCHEDULE,
     )
     values.update(overrides)
     return HybridTrainingArguments(**values)

@@ -14,19 +14,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback
 
 from hf_hybrid import HybridHFTrainer, HybridMixin, HybridTrainingArguments, Phase
 
-from .conftest import flat_params, hybrid_args, make_trainer, tiny_gpt2, token_dataset
-
-# The schedule of conftest.hybrid_args, which makes a 40-step run predict several times.
-FAST_SCHEDULE = dict(
-    hybrid_warmup_steps=5,
-    hybrid_full_steps=3,
-    hybrid_max_predict_steps=4,
-    hybrid_min_predict_steps=2,
-    hybrid_correct_steps=1,
-    hybrid_confidence_threshold=0.0,
-    hybrid_payoff_check=False,
-    hybrid_loss_band=50.0,
-)
+from .conftest import FAST_SCHEDULE, flat_params, hybrid_args, make_trainer, tiny_gpt2, token_dataset
 
 
 def adam_step_counts(trainer) -> set[float]:
