@@ -84,7 +84,9 @@ class HybridMixin:
                 "the fp32 master weights, so a predicted delta would be silently overwritten. Launch with DDP or "
                 "FSDP2 (recipes/accelerate/), or pass --hybrid false."
             )
-        if self.args.fsdp and not self.is_fsdp_enabled:
+        # `accelerate launch` with an FSDP config sets ACCELERATE_USE_FSDP rather than --fsdp; on CPU it then runs DDP.
+        fsdp_requested = bool(self.args.fsdp) or os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true")
+        if fsdp_requested and not self.is_fsdp_enabled:
             from transformers.utils import logging
 
             logging.get_logger(__name__).warning(

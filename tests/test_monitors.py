@@ -1,0 +1,92 @@
+"""The dynamics ensemble, the divergence monitor and the payoff meter, each on its own."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import torch
+
+from hf_hybrid.divergence import DivergenceMonitor
+from hf_hybrid.dynamics import LossDynamicsModel
+from hf_hybrid.payoff import PayoffMeter
+
+
+def feed(model: LossDynamicsModel, noise: float, steps: int = 260, seed: int = 0) -> list[float]:
+    rng = random.Random(seed)
+    losses = [4.0 * math.exp(-i / 150) + 1.0 + rng.gauss(0, noise) for i in range(steps)]
+    for loss in losses:
+        model.observe(loss, 1.0, 1e-3)
+    return losses
+
+
+def test_dynamics_forecast_tracks_a_falling_loss():
+    model = LossDynamicsModel(seed=0)
+    losses = feed(model, noise=0.02)
+    mean, std = model.forecast(5)
+    recent = sum(losses[-10:]) / 10
+    assert abs(mean[0] - recent) < 0.15
+    assert all(s > 0 and math.isfinite(s) for s in std)
+
+
+def test_confidence_is_lower_for_noisy_training():
+    smooth, noisy = LossDynamicsModel(seed=0), LossDynamicsModel(seed=0)
+    feed(smooth, noise=0.01)
+    feed(noisy, noise=0.8)
+    c_smooth, c_noisy = smooth.confidence(), noisy.confidence()
+    assert 0.0 <= c_noisy < c_smooth <= 1.0
+
+
+def test_dynamics_state_round_trip_is_exact():
+    a = LossDynamicsModel(seed=3)
+    feed(a, noise=0.05, steps=150)
+    b = LossDynamicsModel(seed=99)
+    b.load_state_dict(a.state_dict())
+    for i in range(120):  # crosses a training round (every 100 steps)
+        a.observe(2.0 - i * 1e-3, 1.0, 1e-3)
+        b.observe(2.0 - i * 1e-3, 1.0, 1e-3)
+    assert a.confidence() == b.confidence()
+    assert a.forecast(4) == b.forecast(4)
+
+
+def test_dynamics_does_not_touch_the_global_rng():
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    feed(LossDynamicsModel(seed=0), noise=0.05, steps=120)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_divergence_band_ignores_trend_and_catches_jumps():
+    monitor = DivergenceMonitor(band_sigmas=3.0)
+    rng = random.Random(0)
+    for i in range(100):  # a steep, steady fall with small noise
+        monitor.observe(6.0 - 0.02 * i + rng.gauss(0, 0.01), 1.0)
+    assert monitor.loss_sigma < 0.05  # the trend is not counted as noise
+    assert not monitor.loss_diverged(monitor.loss_level + 0.02)
+    assert monitor.loss_diverged(monitor.loss_level + 0.5)
+    assert monitor.loss_diverged(float("nan")) and monitor.non_finite == 1
+    assert monitor.grad_diverged(50.0) and not monitor.grad_diverged(2.0)
+    assert monitor.divergences == 3
+
+
+def test_payoff_judges_against_plain_training_rate():
+    def meter_after_fall() -> PayoffMeter:
+        meter = PayoffMeter(monitored_cost=0.35)
+        rng = random.Random(0)
+        for i in range(64):
+            meter.tick_real(5.0 - 0.01 * i + rng.gauss(0, 0.005))
+        meter.begin_prediction()
+        for _ in range(8):
+            meter.tick_predict(monitored=True)  # 8 x 0.35 = 2.8 cost units
+        return meter
+
+    good = meter_after_fall()  # better than plain training would be after 2.8 units (~4.34)
+    assert good.judge(4.25, needed=2) is None
+    assert good.judge(4.25, needed=2) is True
+    bad = meter_after_fall()  # no progress at all
+    bad.judge(4.37, needed=1)
+    assert bad.advantage < 0 and not bad.judging
+    restored = PayoffMeter()
+    restored.load_state_dict(good.state_dict())
+    assert restored.state_dict() == good.state_dict()
