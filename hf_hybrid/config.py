@@ -55,12 +55,13 @@ class HybridTrainingArguments(TrainingArguments):
         hybrid_grad_explosion_factor (`float`, defaults to `10.0`):
             Roll back when the first real step after a prediction has a gradient norm this many times its trend.
         hybrid_payoff_check (`bool`, defaults to `True`):
-            Compare loss progress per unit of cost after each prediction with plain training's, and back off
-            (longer Full phases) while prediction does not pay.
+            Gate each Predict phase on a probe batch (its first batch, never trained on): keep the jump only if
+            the probe loss fell by at least what plain training would have gained for the phase's cost, else roll
+            back. Each rejection doubles the next Full phase; each kept jump halves it back.
         hybrid_predict_step_cost (`float`, defaults to `0.35`):
-            Cost of a monitored predicted step relative to a real one, used by the payoff check (a forward is
-            about a third of forward+backward+step). The benchmark measures it; a fixed number keeps decisions
-            identical across ranks and across resumes.
+            Cost of a forward pass (a checked predicted step, a probe) relative to a real step, for the payoff
+            check (a forward is about a third of forward+backward+step). The benchmark measures it; a fixed
+            number keeps decisions identical across ranks and across resumes.
         hybrid_trace (`bool`, defaults to `True`):
             Write one JSON line per optimizer step to `<output_dir>/hybrid_trace.jsonl` (main process).
         hybrid_vram_min_free_mb (`float`, defaults to `0.0`):
@@ -97,10 +98,10 @@ class HybridTrainingArguments(TrainingArguments):
         default=10.0, metadata={"help": "Roll back when the gradient norm after a prediction is this x its trend."}
     )
     hybrid_payoff_check: bool = field(
-        default=True, metadata={"help": "Back off while prediction gains less loss per unit cost than real steps."}
+        default=True, metadata={"help": "Keep a jump only if a probe batch shows it beat plain training's gain."}
     )
     hybrid_predict_step_cost: float = field(
-        default=0.35, metadata={"help": "Cost of a monitored predicted step / a real step, for the payoff check."}
+        default=0.35, metadata={"help": "Cost of a forward pass / a real step, for the payoff check."}
     )
     hybrid_trace: bool = field(default=True, metadata={"help": "Write <output_dir>/hybrid_trace.jsonl."})
     hybrid_vram_min_free_mb: float = field(

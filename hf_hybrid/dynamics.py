@@ -17,6 +17,7 @@ steps for a few iterations, so its cost stays out of the step time.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections import deque
 
@@ -197,7 +198,8 @@ class LossDynamicsModel:
     def state_dict(self) -> dict:
         return {
             "members": [m.state_dict() for m in self.members],
-            "optimizer": self.optimizer.state_dict(),
+            # A copy: Optimizer.load_state_dict keeps the very tensors it is given, which would alias two models.
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
             "generator": self.generator.get_state(),
             "norm": {"n": self.norm.n, "mean": list(self.norm.mean), "m2": list(self.norm.m2)},
             "raw": [list(x) for x in self.raw],
@@ -205,8 +207,8 @@ class LossDynamicsModel:
             "hits": list(self.hits),
             "last_forecast": self._last_forecast,
             # Advanced step by step since the last replay; a replay would not reproduce it exactly.
-            "hidden": self._hidden,
-            "next": self._next,
+            "hidden": [h.clone() for h in self._hidden] if self._hidden is not None else None,
+            "next": [n.clone() for n in self._next] if self._next is not None else None,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -219,4 +221,5 @@ class LossDynamicsModel:
         self.steps = state["steps"]
         self.hits = deque(state["hits"], maxlen=32)
         self._last_forecast = tuple(state["last_forecast"]) if state["last_forecast"] else None
-        self._hidden, self._next = state["hidden"], state["next"]
+        self._hidden = [h.clone() for h in state["hidden"]] if state["hidden"] is not None else None
+        self._next = [n.clone() for n in state["next"]] if state["next"] is not None else None

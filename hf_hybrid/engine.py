@@ -90,7 +90,7 @@ class HybridEngine:
         self.monitor = DivergenceMonitor(
             band_sigmas=settings.hybrid_loss_band, grad_explosion_factor=settings.hybrid_grad_explosion_factor
         )
-        self.payoff = PayoffMeter(monitored_cost=settings.hybrid_predict_step_cost)
+        self.payoff = PayoffMeter(forward_cost=settings.hybrid_predict_step_cost)
         self.dynamics = LossDynamicsModel(seed=seed)
         predictor_cls = PREDICTORS[settings.hybrid_predictor]
         kwargs = {"beta": settings.hybrid_velocity_beta} if settings.hybrid_predictor == "velocity" else {}
@@ -102,6 +102,8 @@ class HybridEngine:
         self.skipped_steps = 0
         self.confidence = 0.0
         self.band: tuple[list[float], list[float]] = ([], [])
+        self.probe: dict | None = None  # the first batch of the Predict phase, never trained on
+        self.probe_loss: float | None = None  # its loss before the phase's first delta
         self.record: StepRecord | None = None  # the optimizer step under way
         self.last_record: StepRecord | None = None
 
@@ -111,20 +113,46 @@ class HybridEngine:
     def phase(self) -> Phase:
         return self.record.phase if self.record is not None else self.controller.phase
 
-    def begin_step(self, step: int, lr: float) -> None:
-        """At the first micro-batch of an optimizer step: fix its phase; in Predict, apply the delta."""
+    def begin_step(self, step: int) -> None:
+        """At the first micro-batch of an optimizer step: fix its phase; at a Predict phase's start, keep what
+        is needed to undo it."""
         self.record = StepRecord(step=step, phase=self.controller.phase)
-        if self.record.phase is not Phase.PREDICT:
+        if not self.starts_prediction:
             return
-        k = self.controller.steps_in_phase
-        if k == 0:
-            if self.offloader is not None:
-                self.offloader.offload()
-            self.snapshot.capture(self.params)
-            if self.settings.hybrid_payoff_check:
-                self.payoff.begin_prediction()
-            self.band = self.dynamics.forecast(self.controller.planned_predict_steps)
+        if self.offloader is not None:
+            self.offloader.offload()
+        self.snapshot.capture(self.params)
+        self.payoff.begin_prediction()
+        self.band = self.dynamics.forecast(self.controller.planned_predict_steps)
+
+    @property
+    def starts_prediction(self) -> bool:
+        return self.record.phase is Phase.PREDICT and self.controller.steps_in_phase == 0
+
+    @property
+    def ends_prediction(self) -> bool:
+        return self.record.phase is Phase.PREDICT and self.controller.steps_in_phase + 1 >= (
+            self.controller.planned_predict_steps
+        )
+
+    def apply_prediction(self, lr: float) -> None:
         self.predictor.apply_(lr)
+
+    def set_probe(self, inputs: dict, loss: float) -> None:
+        """Keep the probe batch and its loss at the weights before the phase's first delta."""
+        self.probe, self.probe_loss = inputs, loss
+        self.payoff.tick_forward()
+
+    def judge_probe(self, loss_after: float) -> bool:
+        """At the end of a Predict phase: keep the jump only if its probe gain beat plain training's."""
+        self.payoff.tick_forward()
+        paid = self.payoff.verdict(self.probe_loss - loss_after)
+        self.probe = self.probe_loss = None
+        if paid:
+            self.controller.report_payoff(True)
+        else:
+            self.rollback()
+        return paid
 
     @property
     def monitored(self) -> bool:
@@ -167,10 +195,6 @@ class HybridEngine:
             if exploded or self.monitor.loss_diverged(loss):
                 self.rollback()
                 return True
-        if self.settings.hybrid_payoff_check and self.payoff.judging:
-            verdict = self.payoff.judge(loss, needed=self.settings.hybrid_correct_steps)
-            if verdict is not None:
-                self.controller.report_payoff(verdict)
         self.payoff.tick_real(loss)
         self.monitor.observe(loss, grad_norm)
         self.dynamics.observe(loss, grad_norm, lr)
@@ -182,6 +206,7 @@ class HybridEngine:
             self.snapshot.restore(self.params)
             self.snapshot.valid = False
         self.payoff.cancel()
+        self.probe = self.probe_loss = None
         self.controller.abort()
         self.record.rollback = True
 
@@ -249,6 +274,8 @@ class HybridEngine:
             "divergences": self.monitor.divergences,
             "non_finite": self.monitor.non_finite,
             "skipped_steps": self.skipped_steps,
+            "predictions_judged": self.payoff.verdicts,
+            "predictions_kept": self.payoff.paid,
         }
 
     def log_metrics(self) -> dict[str, float]:
@@ -263,6 +290,8 @@ class HybridEngine:
             "hybrid/skipped_steps": float(stats["skipped_steps"]),
             "hybrid/backoff": float(self.controller.backoff),
             "hybrid/payoff_advantage": float(self.payoff.advantage),
+            "hybrid/probe_gain": float(self.payoff.last_gain),
+            "hybrid/probe_required": float(self.payoff.last_required),
         }
         if self.predictor.last_residual is not None:
             metrics["hybrid/prediction_error"] = float(self.predictor.last_residual)
@@ -276,6 +305,8 @@ class HybridEngine:
             "dynamics": self.dynamics.state_dict(),
             "predictor": self.predictor.state_dict(),
             "snapshot": self.snapshot.state_dict(),
+            "probe": {k: v.detach().cpu() for k, v in self.probe.items()} if self.probe is not None else None,
+            "probe_loss": self.probe_loss,
             "skipped_steps": self.skipped_steps,
             "confidence": self.confidence,
             "band": self.band,
@@ -288,6 +319,9 @@ class HybridEngine:
         self.dynamics.load_state_dict(state["dynamics"])
         self.predictor.load_state_dict(state["predictor"])
         self.snapshot.load_state_dict(state["snapshot"], self.params)
+        device = self.params[0].device
+        self.probe = {k: v.to(device) for k, v in state["probe"].items()} if state["probe"] is not None else None
+        self.probe_loss = state["probe_loss"]
         self.skipped_steps = state["skipped_steps"]
         self.confidence = state["confidence"]
         self.band = tuple(state["band"])

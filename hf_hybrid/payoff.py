@@ -1,24 +1,26 @@
-"""Does prediction pay? Loss progress per unit of cost, predicted steps against real ones.
+"""Does a prediction pay? Its measured gain on a probe batch against what plain training would have gained.
 
-The clock is in cost units, not seconds: a real step costs 1, a predicted step with a monitoring
-forward costs `monitored_cost` (about 1/3 by the forward:backward ratio), one without costs
-`unmonitored_cost`. Wall time would make phase decisions differ between ranks and between a resumed
-run and an uninterrupted one; the benchmark measures the real ratio so the cost can be set to it.
+The clock is in cost units, not seconds: a real step costs 1, a forward pass (a checked predicted step, or
+a probe) costs `forward_cost` (about 1/3 by the forward:backward ratio), an unchecked predicted step costs
+`unmonitored_cost`. Wall time would make decisions differ between ranks and between a resumed run and an
+uninterrupted one; the benchmark measures the real ratio so the cost can be set to it.
 
-Before a predict phase, a least-squares line through the recent real-step losses gives the loss
-level and the rate at which plain training was improving. After it, the losses of the next real steps
-are compared with where plain training would have been for the same cost. A noisy verdict is
-smoothed by an EMA of the normalized advantage; the controller backs off while it is negative.
+Before a Predict phase, a least-squares line through the recent real-step losses gives the rate at which
+plain training was improving per unit cost. The phase's gain is measured on one probe batch (the phase's
+first batch, which no step trains on) at the weights before and after the predicted deltas: a paired
+difference, free of the batch-to-batch noise that swamps a comparison of different batches' losses.
+The prediction pays when that gain is at least what plain training would have made for the phase's cost.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
 
 def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """Least-squares (intercept at the last x, slope)."""
+    """Least-squares (value at the last x, slope)."""
     n = len(xs)
     mx, my = sum(xs) / n, sum(ys) / n
     sxx = sum((x - mx) ** 2 for x in xs)
@@ -28,19 +30,19 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 @dataclass
 class PayoffMeter:
-    monitored_cost: float = 0.35
+    forward_cost: float = 0.35
     unmonitored_cost: float = 0.02
     window: int = 64
     smoothing: float = 0.3
     clock: float = 0.0
     history: deque = field(default_factory=deque)
     start_clock: float | None = None
-    start_loss: float = 0.0
     start_rate: float = 0.0
-    noise: float = 1.0
-    pending: list = field(default_factory=list)
+    last_gain: float = 0.0
+    last_required: float = 0.0
     advantage: float = 0.0
     verdicts: int = 0
+    paid: int = 0
 
     def tick_real(self, loss: float) -> None:
         self.clock += 1.0
@@ -48,46 +50,32 @@ class PayoffMeter:
         while len(self.history) > self.window:
             self.history.popleft()
 
+    def tick_forward(self) -> None:
+        self.clock += self.forward_cost
+
     def tick_predict(self, monitored: bool) -> None:
-        self.clock += self.monitored_cost if monitored else self.unmonitored_cost
+        self.clock += self.forward_cost if monitored else self.unmonitored_cost
 
     def begin_prediction(self) -> None:
-        """Remember where plain training stood and how fast it was improving."""
-        if self.start_clock is not None:  # a chained predict phase: keep the first reference point
-            return
+        """Remember how fast plain training was improving, per unit cost."""
         xs = [x for x, _ in self.history]
         ys = [y for _, y in self.history]
-        if len(xs) < 2:
-            self.start_loss, self.start_rate, self.noise = (ys[-1] if ys else 0.0), 0.0, 1.0
-        else:
-            level, slope = fit_line(xs, ys)
-            resid = [y - (level + slope * (x - xs[-1])) for x, y in zip(xs, ys)]
-            self.start_loss, self.start_rate = level, max(-slope, 0.0)
-            self.noise = max((sum(r * r for r in resid) / len(resid)) ** 0.5, 1e-6)
+        self.start_rate = max(-fit_line(xs, ys)[1], 0.0) if len(xs) >= 2 else 0.0
         self.start_clock = self.clock
 
-    @property
-    def judging(self) -> bool:
-        return self.start_clock is not None
-
-    def judge(self, loss: float, needed: int) -> bool | None:
-        """Feed one real-step loss after a prediction; after `needed` of them, return whether it paid."""
-        if self.start_clock is None:
-            return None
-        expected = self.start_loss - self.start_rate * (self.clock - self.start_clock)
-        self.pending.append((expected - loss) / self.noise)
-        if len(self.pending) < max(needed, 1):
-            return None
-        step_advantage = sum(self.pending) / len(self.pending)
-        self.advantage = (1 - self.smoothing) * self.advantage + self.smoothing * step_advantage
+    def verdict(self, gain: float) -> bool:
+        """`gain`: probe loss before minus after the predicted deltas. True when it beat plain training."""
+        required = self.start_rate * (self.clock - (self.start_clock or self.clock))
+        self.last_gain, self.last_required = gain, required
+        finite = math.isfinite(gain)
+        paid = finite and gain >= required
+        self.advantage = (1 - self.smoothing) * self.advantage + self.smoothing * (gain - required if finite else 0.0)
         self.verdicts += 1
-        self.pending = []
+        self.paid += int(paid)
         self.start_clock = None
-        return self.advantage >= 0.0
+        return paid
 
     def cancel(self) -> None:
-        """A rolled-back prediction is judged by the rollback itself."""
-        self.pending = []
         self.start_clock = None
 
     def state_dict(self) -> dict:

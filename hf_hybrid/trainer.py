@@ -118,17 +118,26 @@ class HybridMixin:
         engine = self._hybrid
         if engine is None:
             return super().training_step(model, inputs, num_items_in_batch)
-        if engine.record is None:  # first micro-batch of this optimizer step
-            engine.begin_step(self.state.global_step, self._hybrid_lr())
+        first_micro_batch = engine.record is None
+        if first_micro_batch:
+            engine.begin_step(self.state.global_step)
             self._hybrid_window_loss = torch.zeros((), device=self.args.device)
-        if engine.phase is Phase.PREDICT:
-            loss = self._predict_micro_batch(model, inputs, num_items_in_batch, engine.monitored)
-        else:
+        if engine.phase is not Phase.PREDICT:
             loss = super().training_step(model, inputs, num_items_in_batch)
+            self._hybrid_window_loss += loss.detach().float()
+            return loss
+        if first_micro_batch:
+            if engine.starts_prediction and self.hybrid_settings.hybrid_payoff_check:
+                probe = self._prepare_inputs(inputs)
+                engine.set_probe(probe, self._hybrid_reduce(self._probe_loss(model, probe))[0])
+            engine.apply_prediction(self._hybrid_lr())
+        loss = self._predict_micro_batch(model, inputs, num_items_in_batch, engine.monitored)
         self._hybrid_window_loss += loss.detach().float()
-        if engine.phase is Phase.PREDICT and self.accelerator.sync_gradients:
+        if self.accelerator.sync_gradients:  # the last micro-batch of this optimizer step
             monitored_loss = self._hybrid_reduce(self._hybrid_window_loss)[0] if engine.monitored else None
             engine.check_predict_step(monitored_loss)
+            if engine.ends_prediction and engine.probe is not None:
+                engine.judge_probe(self._hybrid_reduce(self._probe_loss(model, engine.probe))[0])
             self._hybrid_veto_optimizer_step()
         return loss
 
@@ -150,6 +159,12 @@ class HybridMixin:
             loss = loss / self.current_gradient_accumulation_steps
         self._hybrid_last_loss = loss.detach()
         return self._hybrid_last_loss
+
+    def _probe_loss(self, model, probe: dict) -> torch.Tensor:
+        """Mean loss of the probe batch at the current weights (no num_items_in_batch: before and after compare)."""
+        model.train()
+        with torch.no_grad(), self.compute_loss_context_manager():
+            return self.compute_loss(model, probe).detach()
 
     def _clip_grad_norm(self, model):
         if self._hybrid_step_has_no_backward():

@@ -31,7 +31,7 @@ PRESETS = {
         learning_rate=2e-3, warmup_steps=20, weight_decay=0.1, optim="adamw_torch", bf16=False,
         hybrid=dict(hybrid_warmup_steps=40, hybrid_full_steps=10, hybrid_max_predict_steps=8,
                     hybrid_min_predict_steps=2, hybrid_correct_steps=2, hybrid_confidence_threshold=0.5,
-                    hybrid_monitor_interval=1),
+                    hybrid_monitor_interval=4),
     ),
     # For a seconds-long CI smoke run of this script.
     "smoke": dict(
@@ -52,6 +52,9 @@ PRESETS = {
 }
 
 
+H100_BF16_FLOPS = 989e12
+
+
 @dataclass
 class ArmResult:
     arm: str
@@ -63,6 +66,8 @@ class ArmResult:
     phases: list = field(default_factory=list)  # per optimizer step
     timing: dict = field(default_factory=dict)  # forward/backward/optimizer seconds
     peak_memory_mb: float = 0.0
+    n_params: int = 0
+    cuda: bool = False
     hybrid_stats: dict | None = None
     reached_step: int | None = None
 
@@ -169,6 +174,7 @@ def run_arm(arm: str, preset: dict, out_dir: Path, seed: int, hybrid_overrides: 
             result.timing["optimizer"] = result.timing.get("optimizer", 0.0) + time.perf_counter() - self.t
 
     if hybrid:
+        time_hybrid_hooks(result, cuda)
         trainer_cls = type("TimedHybrid", (Timed, HybridHFTrainer), {})
         args = HybridTrainingArguments(**common, **{**preset["hybrid"], **hybrid_overrides})
     else:
@@ -182,6 +188,8 @@ def run_arm(arm: str, preset: dict, out_dir: Path, seed: int, hybrid_overrides: 
         torch.cuda.reset_peak_memory_stats()
     trainer.train()
     result.steps = trainer.state.global_step
+    result.n_params = sum(p.numel() for p in model.parameters())
+    result.cuda = cuda
     result.train_seconds = clock["last_end"] - clock["t0"] - clock["paused"]
     result.tokens = result.steps * preset["batch_size"] * preset["grad_accum"] * preset["block_size"]
     if not result.evals or result.evals[-1][0] != result.steps:
@@ -196,6 +204,37 @@ def run_arm(arm: str, preset: dict, out_dir: Path, seed: int, hybrid_overrides: 
     if hybrid:
         result.hybrid_stats = trainer.hybrid_stats()
     return result
+
+
+def time_hybrid_hooks(result: ArmResult, cuda: bool) -> None:
+    """Seconds spent in the engine's per-step work, split by real and predicted steps: the hybrid's overhead,
+    measured inside one run rather than as a difference of two noisy runs. On a predicted step it includes
+    applying the delta."""
+    import functools
+
+    import torch
+
+    from hf_hybrid.engine import HybridEngine
+
+    def timed(method):
+        @functools.wraps(method)
+        def wrapper(self, *args, **kwargs):
+            if cuda:
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            out = method(self, *args, **kwargs)
+            if cuda:
+                torch.cuda.synchronize()
+            record = self.record if self.record is not None else self.last_record
+            key = "hybrid_hooks_predict" if record.phase.value == "predict" else "hybrid_hooks_real"
+            result.timing[key] = result.timing.get(key, 0.0) + time.perf_counter() - t
+            return out
+
+        return wrapper
+
+    for name in ("begin_step", "check_predict_step", "check_real_step", "before_optimizer_step",
+                 "after_optimizer_step", "end_step"):
+        setattr(HybridEngine, name, timed(getattr(HybridEngine, name)))
 
 
 # ---- orchestration ------------------------------------------------------------------------------
@@ -232,7 +271,13 @@ def summarize(arm: ArmResult, target: float | None) -> dict:
     per_phase: dict[str, float] = {}
     for seconds, phase in zip(arm.step_seconds, arm.phases):
         per_phase[phase] = per_phase.get(phase, 0.0) + seconds
+    real_steps = sum(p != "predict" for p in arm.phases)
+    tokens_per_step = arm.tokens / max(arm.steps, 1)
+    # 6 N FLOPs per trained token (forward + backward), against the H100's dense bf16 peak; predicted steps
+    # train no token, so they count for nothing here.
+    mfu = 6 * arm.n_params * tokens_per_step * real_steps / arm.train_seconds / H100_BF16_FLOPS if arm.cuda else None
     return {
+        "mfu": mfu,
         "steps": arm.steps,
         "train_seconds": arm.train_seconds,
         "final_eval_loss": arm.evals[-1][2],
@@ -323,6 +368,8 @@ def print_table(report: dict) -> None:
          1000 * med("hybrid", "median_real_step_seconds"), ".1f"),
         ("peak memory (MB)", med("baseline", "peak_memory_mb"), med("hybrid", "peak_memory_mb"), ".0f"),
     ]
+    if report["baseline"][0]["mfu"] is not None:
+        rows.append(("MFU (trained tokens)", med("baseline", "mfu"), med("hybrid", "mfu"), ".3f"))
     print(f"\n{report['preset']} ({report['mode']}), {report['repeats']} alternating pairs; "
           f"target eval loss {report['target_eval_loss']:.4f}")
     print(f"{'':32}{'Trainer':>14}{'HybridHFTrainer':>18}")
@@ -338,6 +385,12 @@ def print_table(report: dict) -> None:
     timing = report["baseline"][0]["timing"]
     if timing:
         print("baseline split (s): " + ", ".join(f"{k} {v:.1f}" for k, v in timing.items()))
+    hybrid_timing = report["hybrid"][0]["timing"]
+    hook_seconds = hybrid_timing.get("hybrid_hooks_real", 0.0)
+    real_seconds = sum(v for k, v in report["hybrid"][0]["seconds_per_phase"].items() if k != "predict")
+    if real_seconds:
+        print(f"hybrid hook time on real steps: {hook_seconds:.2f}s = {100 * hook_seconds / real_seconds:.2f}% "
+              "of real-step time")
     print("hybrid seconds per phase: " + ", ".join(
         f"{k} {v:.1f}" for k, v in report["hybrid"][0]["seconds_per_phase"].items()))
     if report["mode"] == "overhead":

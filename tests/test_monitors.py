@@ -70,23 +70,25 @@ def test_divergence_band_ignores_trend_and_catches_jumps():
     assert monitor.divergences == 3
 
 
-def test_payoff_judges_against_plain_training_rate():
+def test_payoff_requires_what_plain_training_would_have_gained():
     def meter_after_fall() -> PayoffMeter:
-        meter = PayoffMeter(monitored_cost=0.35)
+        meter = PayoffMeter(forward_cost=0.35)
         rng = random.Random(0)
-        for i in range(64):
+        for i in range(64):  # plain training improves 0.01 per unit cost
             meter.tick_real(5.0 - 0.01 * i + rng.gauss(0, 0.005))
         meter.begin_prediction()
+        meter.tick_forward()  # probe before
         for _ in range(8):
-            meter.tick_predict(monitored=True)  # 8 x 0.35 = 2.8 cost units
+            meter.tick_predict(monitored=False)
+        meter.tick_forward()  # probe after: 0.35 + 8 x 0.02 + 0.35 = 0.86 units
         return meter
 
-    good = meter_after_fall()  # better than plain training would be after 2.8 units (~4.34)
-    assert good.judge(4.25, needed=2) is None
-    assert good.judge(4.25, needed=2) is True
-    bad = meter_after_fall()  # no progress at all
-    bad.judge(4.37, needed=1)
-    assert bad.advantage < 0 and not bad.judging
+    good = meter_after_fall()
+    assert good.verdict(0.02) is True and abs(good.last_required - 0.0086) < 1e-3
+    bad = meter_after_fall()
+    assert bad.verdict(0.005) is False  # a gain, but less than plain training's for the same cost
+    assert meter_after_fall().verdict(float("nan")) is False
+    assert (good.verdicts, good.paid, bad.paid) == (1, 1, 0)
     restored = PayoffMeter()
     restored.load_state_dict(good.state_dict())
     assert restored.state_dict() == good.state_dict()

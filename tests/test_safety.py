@@ -84,3 +84,28 @@ def test_nan_while_predicting_rolls_back(tmp_out):
     stats = trainer.hybrid_stats()
     assert stats["rollbacks"] >= 1 and stats["non_finite"] == 1
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_probe_gate_rolls_back_a_jump_that_does_not_pay(tmp_out, monkeypatch):
+    """A small harmful delta stays inside the loose loss band but fails the paired probe check."""
+    original = VelocityPredictor.apply_
+
+    def harmful(self, lr):
+        original(self, lr)
+        with torch.no_grad():
+            for p in self.params:
+                p.add_(torch.randn_like(p), alpha=0.02)
+
+    monkeypatch.setattr(VelocityPredictor, "apply_", harmful)
+    trainer, rows = train_recorded(tmp_out, hybrid_payoff_check=True)
+    stats = trainer.hybrid_stats()
+    assert stats["predictions_judged"] >= 2 and stats["predictions_kept"] == 0
+    assert stats["rollbacks"] == stats["predictions_judged"]
+    for i, row in enumerate(rows):
+        if row["rollback"]:
+            start = i
+            while rows[start - 1]["phase"] is Phase.PREDICT:
+                start -= 1
+            assert torch.equal(row["params"], rows[start - 1]["params"])
+    # Each rejected jump backs off: the Full phases between attempts grow.
+    assert trainer._hybrid.controller.backoff >= 2
