@@ -78,8 +78,12 @@ class DivergenceMonitor:
         return False
 
     def state_dict(self) -> dict:
-        return asdict(self)
+        # Settings come from the flags of the run that resumes, not from the checkpoint.
+        return {k: v for k, v in asdict(self).items() if k not in _SETTINGS}
 
     def load_state_dict(self, state: dict) -> None:
         for key, value in state.items():
             setattr(self, key, value)
+
+
+_SETTINGS = ("band_sigmas", "grad_explosion_factor", "level_decay", "noise_decay", "min_observations")

@@ -123,7 +123,8 @@ class HybridEngine:
             self.offloader.offload()
         self.snapshot.capture(self.params)
         self.payoff.begin_prediction()
-        self.band = self.dynamics.forecast(self.controller.planned_predict_steps)
+        # Predicted step k checks the weights after k+1 deltas, about k+2 real steps after the last loss seen.
+        self.band = self.dynamics.forecast(self.controller.planned_predict_steps + 1)
 
     @property
     def starts_prediction(self) -> bool:
@@ -168,8 +169,8 @@ class HybridEngine:
         if loss is not None:
             k = self.controller.steps_in_phase
             means, stds = self.band
-            expected = means[k] if k < len(means) else None
-            spread = stds[k] if k < len(stds) and math.isfinite(stds[k]) else 0.0
+            expected = means[k + 1] if k + 1 < len(means) else None
+            spread = stds[k + 1] if k + 1 < len(stds) and math.isfinite(stds[k + 1]) else 0.0
             # The forecast's own spread widens the band, up to the loss's batch noise.
             extra = min(spread, 3.0 * self.monitor.loss_sigma)
             if self.monitor.loss_diverged(loss, expected=expected, extra_sigma=extra):
@@ -216,6 +217,9 @@ class HybridEngine:
         also what the predictor would have done from the same state."""
         if self.offloader is not None:
             self.offloader.wait()
+        self._predicted = None
+        if not self._measures_update:
+            return
         if self._anchor is None:
             self._anchor = [torch.empty_like(p) for p in self.params]
         for a, p in zip(self._anchor, self.params):
@@ -223,9 +227,17 @@ class HybridEngine:
         if self.record.phase is Phase.CORRECT:
             self._predicted = [self.predictor.direction(i, p, lr) for i, p in enumerate(self.params)]
 
+    @property
+    def _measures_update(self) -> bool:
+        """The real update is needed by a predictor that learns from it, and on Correct steps for the residual."""
+        return self.predictor.uses_updates or self.record.phase is Phase.CORRECT
+
     @torch.no_grad()
     def after_optimizer_step(self, lr: float) -> None:
         """Feed the real update to the predictor, after measuring the residual on a Correct step."""
+        if not self._measures_update:
+            self.predictor.observe([], lr)
+            return
         updates = self._anchor
         for a, p in zip(updates, self.params):
             a.neg_().add_(p)  # in place: the anchor buffer now holds (after - before)
@@ -248,8 +260,18 @@ class HybridEngine:
             self.snapshot.valid = False
         if self.offloader is not None and self.offloader.is_offloaded and self.controller.phase is not Phase.PREDICT:
             self.offloader.restore()  # asynchronous: overlaps the next step's forward and backward
+        self._predicted = None
         self.last_record, self.record = record, None
         return self.controller.phase
+
+    def finish(self) -> None:
+        """At the end of training: a jump still awaiting its probe verdict is undone; offloaded state comes back."""
+        if self.probe is not None and self.snapshot.valid:
+            self.snapshot.restore(self.params)
+            self.snapshot.valid = False
+            self.probe = self.probe_loss = None
+        if self.offloader is not None and self.offloader.is_offloaded:
+            self.offloader.restore(non_blocking=False)
 
     def _needs_confidence(self) -> bool:
         c = self.controller

@@ -79,7 +79,9 @@ class PayoffMeter:
         self.start_clock = None
 
     def state_dict(self) -> dict:
-        state = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        # Settings come from the flags of the run that resumes, not from the checkpoint.
+        settings = ("forward_cost", "unmonitored_cost", "window", "smoothing")
+        state = {k: getattr(self, k) for k in self.__dataclass_fields__ if k not in settings}
         state["history"] = [list(p) for p in self.history]
         return state
 

@@ -71,7 +71,8 @@ class HybridMixin:
             return
         self._check_launch_mode()
         self.add_callback(_HybridStepHooks(self))
-        if self.hybrid_settings.hybrid_vram_min_free_mb > 0 and self._vram.available:
+        # Registered on every rank alike (it all-reduces): not on this rank's NVML reading, which may fail alone.
+        if self.hybrid_settings.hybrid_vram_min_free_mb > 0 and torch.cuda.is_available():
             self.add_callback(EmergencyCheckpointCallback(self._vram, self.hybrid_settings.hybrid_vram_min_free_mb))
 
     def _check_launch_mode(self) -> None:
@@ -145,7 +146,9 @@ class HybridMixin:
         """No backward: a no-grad forward to check the loss, or nothing at all on an unmonitored step."""
         if not monitored:
             # The Trainer only sums this for its loss log; repeat the last checked loss rather than log a 0.
-            return self._hybrid_last_loss if self._hybrid_last_loss is not None else torch.zeros(())
+            if self._hybrid_last_loss is None:
+                return torch.zeros((), device=self.args.device)
+            return self._hybrid_last_loss
         model.train()
         inputs = self._prepare_inputs(inputs)
         with torch.no_grad(), self.compute_loss_context_manager():
@@ -161,9 +164,12 @@ class HybridMixin:
         return self._hybrid_last_loss
 
     def _probe_loss(self, model, probe: dict) -> torch.Tensor:
-        """Mean loss of the probe batch at the current weights (no num_items_in_batch: before and after compare)."""
+        """Mean loss of the probe batch at the current weights, with the same dropout masks every time (a fixed
+        seed in a forked RNG, which leaves the training RNG untouched), so before and after are truly paired."""
         model.train()
-        with torch.no_grad(), self.compute_loss_context_manager():
+        devices = [self.args.device] if self.args.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices), torch.no_grad(), self.compute_loss_context_manager():
+            torch.manual_seed(self.args.seed)
             return self.compute_loss(model, probe).detach()
 
     def _clip_grad_norm(self, model):
@@ -278,6 +284,8 @@ class HybridMixin:
         self._hybrid_trace = open(path, "a", buffering=1)
 
     def _hybrid_train_end(self) -> None:
+        if self._hybrid is not None:
+            self._hybrid.finish()
         if self._hybrid_trace is not None:
             self._hybrid_trace.close()
             self._hybrid_trace = None
@@ -294,6 +302,8 @@ class HybridMixin:
     # ---- checkpoints --------------------------------------------------------------------------------
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if self._hybrid is not None and self._hybrid.offloader is not None:
+            self._hybrid.offloader.wait()  # an asynchronous restore may still be writing the state
         super()._save_optimizer_and_scheduler(output_dir)
         if self._hybrid is not None:
             path = os.path.join(output_dir, HYBRID_STATE_NAME.format(rank=self.args.process_index))
@@ -304,6 +314,10 @@ class HybridMixin:
         if checkpoint is None or not self.hybrid_settings.hybrid:
             return
         path = os.path.join(checkpoint, HYBRID_STATE_NAME.format(rank=self.args.process_index))
+        if not os.path.isfile(path):
+            # Resumed on more ranks than saved: under DDP every rank's state is the same, so rank 0's serves. A
+            # rank that started fresh instead would take other phases than its peers and hang their collectives.
+            path = os.path.join(checkpoint, HYBRID_STATE_NAME.format(rank=0))
         if os.path.isfile(path):
             self._hybrid_pending_state = torch.load(path, map_location="cpu", weights_only=False)
 

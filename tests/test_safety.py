@@ -7,7 +7,7 @@ import torch
 from hf_hybrid import Phase
 from hf_hybrid.predictors import VelocityPredictor
 
-from .conftest import make_trainer, tiny_gpt2
+from .conftest import flat_params, make_trainer, tiny_gpt2
 from .test_predict import train_recorded
 
 
@@ -109,3 +109,33 @@ def test_probe_gate_rolls_back_a_jump_that_does_not_pay(tmp_out, monkeypatch):
             assert torch.equal(row["params"], rows[start - 1]["params"])
     # Each rejected jump backs off: the Full phases between attempts grow.
     assert trainer._hybrid.controller.backoff >= 2
+
+
+def test_probe_is_paired_under_dropout_and_leaves_training_rng_alone(tmp_out):
+    model = tiny_gpt2()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.3
+    trainer = make_trainer(tmp_out, model=model, max_steps=1)
+    trainer.train()
+    batch = trainer._prepare_inputs({k: torch.tensor(v[:4]) for k, v in trainer.train_dataset[:4].items()})
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    first = trainer._probe_loss(trainer.model, batch)
+    second = trainer._probe_loss(trainer.model, batch)
+    assert torch.equal(first, second)  # the same dropout masks: a paired comparison
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_training_that_ends_mid_jump_undoes_the_unjudged_delta(tmp_path):
+    # A constant schedule: with a decaying one, max_steps would change the whole trajectory.
+    settings = dict(hybrid_payoff_check=True, lr_scheduler_type="constant")
+    reference, rows = train_recorded(tmp_path / "ref", max_steps=40, **settings)
+    # A Predict phase of 2+ steps; stop the run after its first step, before the probe verdict (rows[i] is step i+1).
+    starts = [i for i, r in enumerate(rows) if r["phase"] is Phase.PREDICT and rows[i - 1]["phase"] != r["phase"]]
+    start = next(i for i in starts if i + 1 < len(rows) and rows[i + 1]["phase"] is Phase.PREDICT)
+    assert not torch.equal(rows[start]["params"], rows[start - 1]["params"])  # the delta did move the weights
+    model = tiny_gpt2()
+    make_trainer(tmp_path / "cut", model=model, max_steps=start + 1, **settings).train()
+    assert torch.equal(flat_params(model), rows[start - 1]["params"])

@@ -16,6 +16,7 @@ from .base import Predictor
 
 class AdamPredictor(Predictor):
     name = "adam"
+    uses_updates = False
 
     def __init__(self, params: list[Tensor], optimizer: torch.optim.Optimizer) -> None:
         super().__init__(params, optimizer)
@@ -42,4 +43,6 @@ class AdamPredictor(Predictor):
         step = float(state["step"])
         m_hat = state["exp_avg"] / (1 - beta1**step)
         denom = (state["exp_avg_sq"] / (1 - beta2**step)).sqrt_().add_(group["eps"])
-        return -lr * (m_hat / denom + group["weight_decay"] * param)
+        # The group's own rate (the scheduler keeps it current), so per-group learning rates are honoured.
+        group_lr = group["lr"]
+        return -group_lr * (m_hat / denom + group["weight_decay"] * param)

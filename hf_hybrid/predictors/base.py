@@ -8,7 +8,7 @@ communication and ranks stay bit-identical.
 Residual correction is shared: on a Correct step the real update is compared with what the predictor
 would have applied, and a per-tensor gain is refitted by least squares (projection of the real update
 on the predicted one, clamped and smoothed). The gain shrinks directions that real steps do not
-follow; the relative residual feeds the confidence and the logs.
+follow; the relative residual is logged as `hybrid/prediction_error`.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from torch import Tensor
 
 class Predictor(ABC):
     name: ClassVar[str]
+    uses_updates: ClassVar[bool] = True  # whether `observe` needs the real update (costs a parameter copy)
     gain_smoothing: ClassVar[float] = 0.3
     max_gain: ClassVar[float] = 2.0
 
