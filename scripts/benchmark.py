@@ -27,7 +27,7 @@ PRESETS = {
     # A small GPT-2 with the real 50257-token vocabulary, on the shipped corpus: minutes on 2 CPU cores.
     "cpu-small": dict(
         model=dict(n_layer=2, n_embd=128, n_head=4, n_positions=64),
-        block_size=64, batch_size=8, grad_accum=1, max_steps=300, eval_steps=30, eval_blocks=32,
+        block_size=64, batch_size=8, grad_accum=1, max_steps=300, eval_steps=30, eval_blocks=128,
         learning_rate=2e-3, warmup_steps=20, weight_decay=0.1, optim="adamw_torch", bf16=False,
         hybrid=dict(hybrid_warmup_steps=40, hybrid_full_steps=10, hybrid_max_predict_steps=8,
                     hybrid_min_predict_steps=2, hybrid_correct_steps=2, hybrid_confidence_threshold=0.5,
@@ -241,7 +241,17 @@ def time_hybrid_hooks(result: ArmResult, cuda: bool) -> None:
 
 
 def time_to(evals: list, target: float) -> float | None:
-    return next((t for _, t, loss in evals if loss <= target), None)
+    """Training time at which eval loss first reaches `target`, interpolated linearly between the two evals that
+    bracket the crossing (evals are many steps apart; taking the later one would round every arm up)."""
+    previous = None
+    for _, t, loss in evals:
+        if loss <= target:
+            if previous is None or previous[1] <= loss:
+                return t
+            t0, loss0 = previous
+            return t0 + (t - t0) * (loss0 - target) / (loss0 - loss)
+        previous = (t, loss)
+    return None
 
 
 def launch(arm: str, args, out_dir: Path, target: float | None, overrides: dict) -> ArmResult:

@@ -139,3 +139,22 @@ def test_training_that_ends_mid_jump_undoes_the_unjudged_delta(tmp_path):
     model = tiny_gpt2()
     make_trainer(tmp_path / "cut", model=model, max_steps=start + 1, **settings).train()
     assert torch.equal(flat_params(model), rows[start - 1]["params"])
+
+
+def test_rejected_jumps_leave_no_trace(tmp_path, monkeypatch):
+    """With every jump rejected, a real predictor and a no-op one must end bit-identical: nothing leaks past
+    a rollback (weights, optimizer state, data order, RNG)."""
+    from hf_hybrid.payoff import PayoffMeter
+
+    original_verdict = PayoffMeter.verdict
+    monkeypatch.setattr(PayoffMeter, "verdict", lambda self, gain: original_verdict(self, float("-inf")))
+    settings = dict(hybrid_payoff_check=True, max_steps=40, lr_scheduler_type="constant")
+    real_model = tiny_gpt2()
+    real = make_trainer(tmp_path / "real", model=real_model, **settings)
+    real.train()
+    assert real.hybrid_stats()["predictions_judged"] >= 2 and real.hybrid_stats()["predictions_kept"] == 0
+
+    monkeypatch.setattr(VelocityPredictor, "apply_", lambda self, lr: None)
+    noop_model = tiny_gpt2()
+    make_trainer(tmp_path / "noop", model=noop_model, **settings).train()
+    assert torch.equal(flat_params(real_model), flat_params(noop_model))
