@@ -8,8 +8,8 @@ the same rank-identical inputs, and a pure machine is easy to test exhaustively 
     PREDICT/CORRECT --abort (divergence, rollback)--> FULL
 
 `full_required` starts at `full_steps` and doubles (up to `max_backoff` doublings) each time a
-prediction is rolled back or fails to pay for itself, and halves back when one pays: when prediction
-does not pay, the controller stops paying for it.
+prediction is rolled back (including a jump that failed its payoff check), and halves back each time a
+jump pays: when prediction does not pay, the controller stops paying for it.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ class PhaseController:
                 self._enter(Phase.FULL)
         elif self.phase is Phase.FULL:
             if self.steps_in_phase >= self.full_required and predictor_ready and self._confident(confidence):
-                self.consecutive_predicts = 0  # a Full phase ends any chain
+                self.consecutive_predicts = 0
                 self._start_predict(confidence)
         elif self.phase is Phase.PREDICT:
             if self.steps_in_phase >= self.planned_predict_steps:
@@ -132,13 +132,9 @@ class PhaseController:
         self.consecutive_predicts = 0
         self._enter(Phase.FULL)
 
-    def report_payoff(self, paid: bool) -> None:
-        """Feedback on a finished prediction: recover when it paid; when not, end the chain and back off."""
-        if paid:
-            self.backoff = max(self.backoff - 1, 0)
-        else:
-            self.backoff = min(self.backoff + 1, self.config.max_backoff)
-            self.consecutive_predicts = self.config.max_consecutive_predicts
+    def reward(self) -> None:
+        """A jump passed its payoff check: wait less before the next one."""
+        self.backoff = max(self.backoff - 1, 0)
 
     def state_dict(self) -> dict:
         state = asdict(self)

@@ -150,7 +150,7 @@ class HybridEngine:
         paid = self.payoff.verdict(self.probe_loss - loss_after)
         self.probe = self.probe_loss = None
         if paid:
-            self.controller.report_payoff(True)
+            self.controller.reward()
         else:
             self.rollback()
         return paid

@@ -46,25 +46,15 @@ def test_predict_length_follows_confidence_and_damping():
     assert c.predict_length(1.0) == 10
 
 
-def test_abort_backs_off_and_payoff_recovers():
+def test_abort_backs_off_and_reward_recovers():
     c = PhaseController(ControllerConfig(warmup_steps=0, full_steps=2))
     c.phase = Phase.PREDICT
     c.abort()
     assert c.phase is Phase.FULL and c.rollbacks == 1 and c.full_required == 4
-    c.report_payoff(False)
+    c.abort()
     assert c.full_required == 8
-    c.report_payoff(True)
+    c.reward()
     assert c.full_required == 4
-
-
-def test_unpaid_prediction_ends_the_chain():
-    c = PhaseController(ControllerConfig(warmup_steps=0, full_steps=1, min_predict_steps=1, max_predict_steps=1,
-                                         correct_steps=1, max_consecutive_predicts=5))
-    run(c, 2)  # full, predict
-    assert c.phase is Phase.CORRECT
-    c.report_payoff(False)
-    c.end_step(1.0, True)
-    assert c.phase is Phase.FULL
 
 
 @pytest.mark.parametrize("kwargs", [dict(full_steps=0), dict(warmup_steps=-1), dict(confidence_threshold=1.5),
@@ -75,7 +65,7 @@ def test_config_rejects_bad_values(kwargs):
 
 
 events = st.lists(st.tuples(st.floats(0, 1), st.booleans(), st.sampled_from(["step", "step", "step", "abort",
-                                                                              "paid", "unpaid"])),
+                                                                              "reward"])),
                   min_size=1, max_size=300)
 
 
@@ -94,8 +84,8 @@ def test_invariants_under_random_inputs(events, warmup, full, max_predict, corre
                 c.abort()
                 assert c.phase is Phase.FULL
             continue
-        if event in ("paid", "unpaid"):
-            c.report_payoff(event == "paid")
+        if event == "reward":
+            c.reward()
             continue
         phase = c.phase
         run_length = run_length + 1 if phase is previous else 1
