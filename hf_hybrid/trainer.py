@@ -111,6 +111,8 @@ class HybridMixin:
             "divergences": 0,
             "non_finite": 0,
             "skipped_steps": 0,
+            "predictions_judged": 0,
+            "predictions_kept": 0,
         }
 
     # ---- the step ---------------------------------------------------------------------------------

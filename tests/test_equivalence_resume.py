@@ -37,7 +37,9 @@ def test_hybrid_false_is_the_plain_trainer(tmp_path):
     assert off.hybrid_stats()["backward_steps"] == 25
     # ...and the hybrid on does change the trajectory, so the comparison above can fail.
     on_model = tiny_gpt2()
-    HybridHFTrainer(model=on_model, args=hybrid_args(tmp_path / "c", **common), train_dataset=token_dataset()).train()
+    on = HybridHFTrainer(model=on_model, args=hybrid_args(tmp_path / "c", **common), train_dataset=token_dataset())
+    on.train()
+    assert on.hybrid_stats().keys() == off.hybrid_stats().keys()
     assert not torch.equal(state(on_model)["transformer.h.0.mlp.c_fc.weight"],
                            state(plain_model)["transformer.h.0.mlp.c_fc.weight"])
 
