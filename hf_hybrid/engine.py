@@ -65,7 +65,6 @@ class StepRecord:
     step: int
     phase: Phase
     loss: float | None = None
-    grad_norm: float | None = None
     rollback: bool = False
     skipped: bool = False
 
@@ -180,7 +179,7 @@ class HybridEngine:
     def check_real_step(self, loss: float, grad_norm: float | None, lr: float) -> bool:
         """After backward on a real step; returns True when the optimizer step must be vetoed."""
         record = self.record
-        record.loss, record.grad_norm = loss, grad_norm
+        record.loss = loss
         after_prediction = self.snapshot.valid
         if not (math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm))):
             self.monitor.non_finite += 1

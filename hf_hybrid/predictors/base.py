@@ -63,14 +63,19 @@ class Predictor(ABC):
 
         Returns the relative residual ||real - gain * predicted|| / ||real|| over all parameters.
         """
+        # Three sums per tensor, read back in one transfer: ||u - g d||^2 = uu - 2 g ud + g^2 dd.
+        sums = torch.stack([
+            torch.stack([(u * u).sum(dtype=torch.float64), (u * d).sum(dtype=torch.float64),
+                         (d * d).sum(dtype=torch.float64)])
+            for u, d in ((_local(u), _local(d)) for u, d in zip(updates, predicted))
+        ]).tolist()
         num, den = 0.0, 0.0
-        for i, (u, d) in enumerate(zip(updates, predicted)):
-            u64, d64 = _local(u).double(), _local(d).double()
-            dd = float((d64 * d64).sum())
-            fitted = min(max(float((u64 * d64).sum()) / dd, 0.0), self.max_gain) if dd > 0 else 0.0
+        for i, (uu, ud, dd) in enumerate(sums):
+            fitted = min(max(ud / dd, 0.0), self.max_gain) if dd > 0 else 0.0
             self.gains[i] = (1 - self.gain_smoothing) * self.gains[i] + self.gain_smoothing * fitted
-            num += float(((u64 - float(self.gains[i]) * d64) ** 2).sum())
-            den += float((u64 * u64).sum())
+            g = float(self.gains[i])
+            num += max(uu - 2 * g * ud + g * g * dd, 0.0)
+            den += uu
         self.last_residual = math.sqrt(num / max(den, 1e-30))
         return self.last_residual
 
