@@ -57,7 +57,8 @@ class HybridTrainingArguments(TrainingArguments):
         hybrid_payoff_check (`bool`, defaults to `True`):
             Gate each Predict phase on a probe batch (its first batch, never trained on): keep the jump only if
             the probe loss fell by at least what plain training would have gained for the phase's cost, else roll
-            back. Each rejection doubles the next Full phase; each kept jump halves it back.
+            back. Each rejection doubles the next Full phase; each kept jump halves it back. When off, a jump
+            that comes through its Correct steps without a rollback counts as kept.
         hybrid_predict_step_cost (`float`, defaults to `0.35`):
             Cost of a forward pass (a checked predicted step, a probe) relative to a real step, for the payoff
             check (a forward is about a third of forward+backward+step). The benchmark measures it; a fixed

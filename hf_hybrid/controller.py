@@ -9,7 +9,8 @@ the same rank-identical inputs, and a pure machine is easy to test exhaustively 
 
 `full_required` starts at `full_steps` and doubles (up to `max_backoff` doublings) each time a
 prediction is rolled back (including a jump that failed its payoff check), and halves back each time a
-jump pays: when prediction does not pay, the controller stops paying for it.
+jump pays (passes the payoff check, or without it, comes through its Correct steps): when prediction does
+not pay, the controller stops paying for it.
 """
 
 from __future__ import annotations

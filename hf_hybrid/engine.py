@@ -253,6 +253,11 @@ class HybridEngine:
                 self.confidence = self.dynamics.confidence()
             ready = self.predictor.ready and self.dynamics.ready
             self.controller.end_step(self.confidence, ready)
+            survived = record.phase is Phase.CORRECT and self.controller.phase is not Phase.CORRECT
+            if survived and not self.settings.hybrid_payoff_check:
+                # Without the probe verdict, a jump that came through its Correct steps is the only sign that
+                # prediction pays; without this, back-off could only grow.
+                self.controller.reward()
         else:
             self.controller.phase_steps[record.phase.value] += 1
         if self.controller.phase is not Phase.PREDICT and self.controller.phase is not Phase.CORRECT:

@@ -158,3 +158,23 @@ def test_rejected_jumps_leave_no_trace(tmp_path, monkeypatch):
     noop_model = tiny_gpt2()
     make_trainer(tmp_path / "noop", model=noop_model, **settings).train()
     assert torch.equal(flat_params(real_model), flat_params(noop_model))
+
+
+def test_without_payoff_check_survived_jumps_undo_the_back_off(tmp_out, monkeypatch):
+    original = VelocityPredictor.apply_
+    calls = {"n": 0}
+
+    def sabotaged(self, lr):
+        original(self, lr)
+        calls["n"] += 1
+        if calls["n"] == 5:
+            with torch.no_grad():
+                for p in self.params:
+                    p.add_(3.0)
+
+    monkeypatch.setattr(VelocityPredictor, "apply_", sabotaged)
+    trainer = make_trainer(tmp_out, hybrid_loss_band=3.0, max_steps=60)
+    trainer.train()
+    controller = trainer._hybrid.controller
+    assert controller.rollbacks >= 1
+    assert controller.backoff < controller.rollbacks  # each rollback doubled the wait; later survivors halved it

@@ -40,7 +40,8 @@ class AdamPredictor(Predictor):
         if not state or "exp_avg" not in state:
             return torch.zeros_like(param)
         beta1, beta2 = group["betas"]
-        step = float(state["step"])
+        # Kept a tensor: float() of a fused/capturable optimizer's on-device step would sync once per tensor.
+        step = state["step"]
         m_hat = state["exp_avg"] / (1 - beta1**step)
         denom = (state["exp_avg_sq"] / (1 - beta2**step)).sqrt_().add_(group["eps"])
         # The group's own rate (the scheduler keeps it current), so per-group learning rates are honoured.
