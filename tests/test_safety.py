@@ -11,19 +11,24 @@ from .conftest import flat_params, make_trainer, tiny_gpt2
 from .test_predict import train_recorded
 
 
-def test_harmful_prediction_is_rolled_back_bit_exactly(tmp_out, monkeypatch):
+def sabotage_fifth_predicted_step(monkeypatch) -> None:
+    """The 5th predicted step (inside the second Predict phase) also shifts every weight by 3."""
     original = VelocityPredictor.apply_
     calls = {"n": 0}
 
     def sabotaged(self, lr):
         original(self, lr)
         calls["n"] += 1
-        if calls["n"] == 5:  # inside the second Predict phase
+        if calls["n"] == 5:
             with torch.no_grad():
                 for p in self.params:
                     p.add_(3.0)
 
     monkeypatch.setattr(VelocityPredictor, "apply_", sabotaged)
+
+
+def test_harmful_prediction_is_rolled_back_bit_exactly(tmp_out, monkeypatch):
+    sabotage_fifth_predicted_step(monkeypatch)
     trainer, rows = train_recorded(tmp_out, hybrid_loss_band=3.0)
     rolled = [i for i, r in enumerate(rows) if r["rollback"]]
     assert rolled, "the sabotaged prediction must be rolled back"
@@ -161,18 +166,7 @@ def test_rejected_jumps_leave_no_trace(tmp_path, monkeypatch):
 
 
 def test_without_payoff_check_survived_jumps_undo_the_back_off(tmp_out, monkeypatch):
-    original = VelocityPredictor.apply_
-    calls = {"n": 0}
-
-    def sabotaged(self, lr):
-        original(self, lr)
-        calls["n"] += 1
-        if calls["n"] == 5:
-            with torch.no_grad():
-                for p in self.params:
-                    p.add_(3.0)
-
-    monkeypatch.setattr(VelocityPredictor, "apply_", sabotaged)
+    sabotage_fifth_predicted_step(monkeypatch)
     trainer = make_trainer(tmp_out, hybrid_loss_band=3.0, max_steps=60)
     trainer.train()
     controller = trainer._hybrid.controller
