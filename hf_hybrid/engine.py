@@ -22,6 +22,7 @@ from .dynamics import LossDynamicsModel
 from .memory import OptimizerStateOffloader
 from .payoff import PayoffMeter
 from .predictors import PREDICTORS
+from .predictors.base import local_shard
 
 
 class WeightSnapshot:
@@ -35,15 +36,13 @@ class WeightSnapshot:
     def capture(self, params: list[Tensor]) -> None:
         if self.tensors is None:
             self.tensors = [torch.empty_like(p) for p in params]
-        for s, p in zip(self.tensors, params):
-            s.copy_(p)
+        torch._foreach_copy_(self.tensors, params)
         self.valid = True
 
     @torch.no_grad()
     def restore(self, params: list[Tensor]) -> None:
         assert self.valid and self.tensors is not None, "no snapshot to restore"
-        for s, p in zip(self.tensors, params):
-            p.copy_(s)
+        torch._foreach_copy_(params, self.tensors)
 
     def state_dict(self) -> dict:
         tensors = [t.detach().cpu().clone() for t in self.tensors] if self.valid and self.tensors else None
@@ -120,7 +119,7 @@ class HybridEngine:
             return
         if self.offloader is not None:
             self.offloader.offload()
-        self.snapshot.capture(self.params)
+        self.snapshot.capture(self._shards())
         self.payoff.begin_prediction()
         # Predicted step k checks the weights after k+1 deltas, about k+2 real steps after the last loss seen.
         self.band = self.dynamics.forecast(self.controller.planned_predict_steps + 1)
@@ -203,7 +202,7 @@ class HybridEngine:
     def rollback(self) -> None:
         """Undo the Predict phase: last good weights, back to Full."""
         if self.snapshot.valid:
-            self.snapshot.restore(self.params)
+            self.snapshot.restore(self._shards())
             self.snapshot.valid = False
         self.payoff.cancel()
         self.probe = self.probe_loss = None
@@ -219,12 +218,13 @@ class HybridEngine:
         self._predicted = None
         if not self._measures_update:
             return
+        shards = self._shards()
         if self._anchor is None:
-            self._anchor = [torch.empty_like(p) for p in self.params]
-        for a, p in zip(self._anchor, self.params):
-            a.copy_(p)
+            self._anchor = [torch.empty_like(p) for p in shards]
+        # One multi-tensor kernel per group instead of a launch per parameter: on a GPU, launches dominate.
+        torch._foreach_copy_(self._anchor, shards)
         if self.record.phase is Phase.CORRECT:
-            self._predicted = [self.predictor.direction(i, p, lr) for i, p in enumerate(self.params)]
+            self._predicted = [self.predictor.direction(i, p, lr) for i, p in enumerate(shards)]
 
     @property
     def _measures_update(self) -> bool:
@@ -238,8 +238,8 @@ class HybridEngine:
             self.predictor.observe([], lr)
             return
         updates = self._anchor
-        for a, p in zip(updates, self.params):
-            a.neg_().add_(p)  # in place: the anchor buffer now holds (after - before)
+        torch._foreach_neg_(updates)
+        torch._foreach_add_(updates, self._shards())  # in place: the anchor buffer now holds (after - before)
         if self._predicted is not None:
             self.predictor.measure_residual(updates, self._predicted)
             self._predicted = None
@@ -271,7 +271,7 @@ class HybridEngine:
     def finish(self) -> None:
         """At the end of training: a jump still awaiting its probe verdict is undone; offloaded state comes back."""
         if self.probe is not None and self.snapshot.valid:
-            self.snapshot.restore(self.params)
+            self.snapshot.restore(self._shards())
             self.snapshot.valid = False
             self.probe = self.probe_loss = None
         if self.offloader is not None and self.offloader.is_offloaded:
@@ -284,6 +284,11 @@ class HybridEngine:
         if c.phase is Phase.CORRECT:
             return c.steps_in_phase + 1 >= c.config.correct_steps
         return c.phase is Phase.PREDICT and c.config.correct_steps == 0
+
+    def _shards(self) -> list[Tensor]:
+        """The parameters' local shards (the parameters themselves without FSDP2): everything the engine does to
+        weights is element-wise on these, so it needs no communication."""
+        return [local_shard(p) for p in self.params]
 
     # ---- reporting and checkpoints --------------------------------------------------------------
 
@@ -344,7 +349,7 @@ class HybridEngine:
         self.payoff.load_state_dict(state["payoff"])
         self.dynamics.load_state_dict(state["dynamics"])
         self.predictor.load_state_dict(state["predictor"])
-        self.snapshot.load_state_dict(state["snapshot"], self.params)
+        self.snapshot.load_state_dict(state["snapshot"], self._shards())
         device = self.params[0].device
         self.probe = {k: v.to(device) for k, v in state["probe"].items()} if state["probe"] is not None else None
         self.probe_loss = state["probe_loss"]

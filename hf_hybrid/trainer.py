@@ -155,7 +155,7 @@ class HybridMixin:
         inputs = self._prepare_inputs(inputs)
         with torch.no_grad(), self.compute_loss_context_manager():
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
-        scaled = self.loss_is_scaled_for_ga
+        scaled = getattr(self, "loss_is_scaled_for_ga", None)  # absent from older transformers (5.17)
         if scaled is None:  # the same rule as Trainer.training_step
             scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or (
                 self.compute_loss_func is not None
@@ -260,6 +260,8 @@ class HybridMixin:
     def _hybrid_reduce(self, *values) -> list[float]:
         """Average scalars across ranks in one collective, so every rank decides on the same numbers."""
         device = self.args.device
+        # Under FSDP2 the gradient norm comes back as a DTensor, which cannot be stacked with plain tensors.
+        values = [v.full_tensor() if hasattr(v, "full_tensor") else v for v in values]
         stacked = torch.stack([torch.as_tensor(v, dtype=torch.float32).to(device).reshape(()) for v in values])
         if self.accelerator.num_processes > 1:
             stacked = self.accelerator.reduce(stacked, reduction="mean")

@@ -3,6 +3,7 @@
     python scripts/benchmark.py --preset cpu-small            # the README's main job
     python scripts/benchmark.py --preset gpt2-124m            # on a GPU
     python scripts/benchmark.py --preset cpu-small --mode overhead   # hybrid with prediction off
+    python scripts/benchmark.py --preset gpt2-124m --mode memory --max_steps 2000   # peak memory, forced prediction
 
 Both arms share the model init, data order, seed and settings. Each arm runs in its own process (clean
 timing and peak memory), arms alternate, and `--repeats` pairs are run; medians are reported. The
@@ -43,17 +44,20 @@ PRESETS = {
                     hybrid_min_predict_steps=1, hybrid_correct_steps=1, hybrid_confidence_threshold=0.0),
     ),
     # GPT2Config defaults (124M) from scratch; the tuned GPU baseline: bf16, fused AdamW, SDPA.
+    # GPT2Config defaults (124M), from scratch. The shipped corpus has about 1.2M training tokens, so 600 steps of
+    # 4096 tokens are two epochs: longer runs would measure overfitting, not training speed.
     "gpt2-124m": dict(
         model=dict(),
-        block_size=1024, batch_size=16, grad_accum=2, max_steps=3000, eval_steps=100, eval_blocks=128,
-        learning_rate=6e-4, warmup_steps=100, weight_decay=0.1, optim="adamw_torch_fused", bf16=True,
-        hybrid=dict(hybrid_warmup_steps=200, hybrid_full_steps=20, hybrid_max_predict_steps=10,
+        block_size=512, batch_size=8, grad_accum=1, max_steps=600, eval_steps=50, eval_blocks=128,
+        learning_rate=6e-4, warmup_steps=50, weight_decay=0.1, optim="adamw_torch_fused", bf16=True,
+        hybrid=dict(hybrid_warmup_steps=100, hybrid_full_steps=20, hybrid_max_predict_steps=10,
                     hybrid_min_predict_steps=2, hybrid_correct_steps=2, hybrid_confidence_threshold=0.5),
     ),
 }
 
 
 H100_BF16_FLOPS = 989e12
+MEMORY_SAMPLE_EVERY = 100  # steps between samples of the CUDA peak-memory curve
 
 # Both arms, as part of the tuned CPU baseline: glibc otherwise maps and unmaps the large gradient buffers
 # (the 25 MB tied embedding on cpu-small) every step. Measured on cpu-small, 80 steps: median step 0.38 s
@@ -72,6 +76,7 @@ class ArmResult:
     phases: list = field(default_factory=list)  # per optimizer step
     timing: dict = field(default_factory=dict)  # forward/backward/optimizer seconds
     peak_memory_mb: float = 0.0
+    memory_curve: list = field(default_factory=list)  # [step, peak allocated MB so far, reserved MB] (CUDA)
     n_params: int = 0
     cuda: bool = False
     hybrid_stats: dict | None = None
@@ -128,6 +133,9 @@ def run_arm(arm: str, preset: dict, out_dir: Path, seed: int, hybrid_overrides: 
             result.step_seconds.append(now - clock["step_begin"])
             engine = getattr(trainer, "_hybrid", None)
             result.phases.append(engine.last_record.phase.value if engine is not None else "full")
+            if cuda and state.global_step % MEMORY_SAMPLE_EVERY == 0:
+                result.memory_curve.append([state.global_step, torch.cuda.max_memory_allocated() / 2**20,
+                                            torch.cuda.memory_reserved() / 2**20])
             clock["last_end"] = now
 
         def on_evaluate(self, args, state, control, metrics=None, **kwargs):
@@ -261,8 +269,10 @@ def time_to(evals: list, target: float) -> float | None:
 
 
 def launch(arm: str, args, out_dir: Path, target: float | None, overrides: dict) -> ArmResult:
+    # The memory mode needs no eval curve: one evaluation at the end keeps its long runs short.
+    eval_at_end = args.mode == "memory"
     spec = dict(arm=arm, preset=args.preset, seed=args.seed, budget=args.hybrid_budget, target=target,
-                overrides=overrides, out_dir=str(out_dir), max_steps=args.max_steps)
+                overrides=overrides, out_dir=str(out_dir), max_steps=args.max_steps, eval_at_end=eval_at_end)
     out_dir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, __file__, "--_arm", json.dumps(spec)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
@@ -278,6 +288,8 @@ def arm_main(spec_json: str) -> None:
     preset = dict(PRESETS[spec["preset"]])
     if spec["max_steps"]:
         preset["max_steps"] = spec["max_steps"]
+    if spec["eval_at_end"]:
+        preset["eval_steps"] = preset["max_steps"]
     out_dir = Path(spec["out_dir"])
     result = run_arm(spec["arm"], preset, out_dir, spec["seed"], spec["overrides"], spec["budget"], spec["target"])
     (out_dir / "arm_result.json").write_text(json.dumps(asdict(result)))
@@ -312,8 +324,10 @@ def summarize(arm: ArmResult, target: float | None) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu-small")
-    parser.add_argument("--mode", choices=["speed", "overhead"], default="speed",
-                        help="speed: time to the baseline's eval loss; overhead: hybrid with prediction off")
+    parser.add_argument("--mode", choices=["speed", "overhead", "memory"], default="speed",
+                        help="speed: time to the baseline's eval loss; overhead: hybrid with prediction off; memory: "
+                             "the same steps in both arms, the hybrid forced to predict as often as it can (CUDA peak "
+                             "memory curve)")
     parser.add_argument("--repeats", type=int, default=2, help="baseline/hybrid pairs, run alternately")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max_steps", type=int, default=0, help="override the preset's baseline steps")
@@ -333,13 +347,15 @@ def main() -> None:
         overrides[key] = json.loads(value) if value not in ("velocity", "adam") else value
     if args.mode == "overhead":
         overrides["hybrid_confidence_threshold"] = 1.0
+    if args.mode == "memory":
+        overrides.update(hybrid_confidence_threshold=0.0, hybrid_payoff_check=False)
     root = Path(args.output_dir) / f"{args.preset}-{args.mode}"
     baselines, hybrids = [], []
     for r in range(args.repeats):
         base = launch("baseline", args, root / f"baseline-{r}", target=None, overrides={})
         target = base.evals[-1][2]
-        # With the overhead mode both arms run the same steps; otherwise the hybrid chases the target.
-        hyb = launch("hybrid", args, root / f"hybrid-{r}", target=None if args.mode == "overhead" else target,
+        # Outside the speed mode both arms run the same steps; in it the hybrid chases the target.
+        hyb = launch("hybrid", args, root / f"hybrid-{r}", target=target if args.mode == "speed" else None,
                      overrides=overrides)
         baselines.append(base)
         hybrids.append(hyb)
@@ -351,6 +367,9 @@ def main() -> None:
               "overrides": overrides, "preset_settings": PRESETS[args.preset],
               "baseline": [summarize(b, target) for b in baselines],
               "hybrid": [summarize(h, target) for h in hybrids]}
+    if args.mode == "memory":
+        report["memory_curves"] = {"baseline": [b.memory_curve for b in baselines],
+                                   "hybrid": [h.memory_curve for h in hybrids]}
     if args.mode == "overhead":
         ratios = [h["median_real_step_seconds"] / b["median_real_step_seconds"]
                   for b, h in zip(report["baseline"], report["hybrid"])]
@@ -410,13 +429,29 @@ def print_table(report: dict) -> None:
               "of real-step time")
     print("hybrid seconds per phase: " + ", ".join(
         f"{k} {v:.1f}" for k, v in report["hybrid"][0]["seconds_per_phase"].items()))
-    if report["mode"] == "overhead":
+    if report["mode"] == "memory":
+        print_memory(report)
+    elif report["mode"] == "overhead":
         print(f"hybrid/baseline median real-step time: {report['step_time_ratio_median']:.3f} "
               f"(pairs: {', '.join(f'{r:.3f}' for r in report['step_time_ratios'])})")
     else:
         speedups = ", ".join("not reached" if s is None else f"{s:.2f}x" for s in report["speedups"])
         median = report["speedup_median"]
         print(f"time-to-target speedup: {'-' if median is None else f'{median:.2f}x'} (pairs: {speedups})")
+
+
+def print_memory(report: dict) -> None:
+    """Peak allocated memory of both arms over the run: the hybrid's extra, and whether it grows."""
+    base, hyb = report["memory_curves"]["baseline"][0], report["memory_curves"]["hybrid"][0]
+    if not base or not hyb:
+        print("memory mode: no CUDA peak-memory curve (CPU run)")
+        return
+    print("step  baseline peak MB  hybrid peak MB  hybrid reserved MB")
+    for (step, b_peak, _), (_, h_peak, h_reserved) in zip(base, hyb):
+        print(f"{step:5d}{b_peak:17.0f}{h_peak:16.0f}{h_reserved:20.0f}")
+    first, last = hyb[0][1], hyb[-1][1]
+    print(f"hybrid peak / baseline peak at the end: {hyb[-1][1] / base[-1][1]:.3f}; hybrid peak growth from step "
+          f"{hyb[0][0]} to {hyb[-1][0]}: {last - first:+.0f} MB ({100 * (last - first) / first:+.2f}%)")
 
 
 def plot(root: Path, baseline: ArmResult, hybrid: ArmResult, target: float) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .base import Predictor
+from .base import Predictor, local_shard
 
 
 class AdamPredictor(Predictor):
@@ -42,8 +42,8 @@ class AdamPredictor(Predictor):
         beta1, beta2 = group["betas"]
         # Kept a tensor: float() of a fused/capturable optimizer's on-device step would sync once per tensor.
         step = state["step"]
-        m_hat = state["exp_avg"] / (1 - beta1**step)
-        denom = (state["exp_avg_sq"] / (1 - beta2**step)).sqrt_().add_(group["eps"])
+        m_hat = local_shard(state["exp_avg"]) / (1 - beta1**step)
+        denom = (local_shard(state["exp_avg_sq"]) / (1 - beta2**step)).sqrt_().add_(group["eps"])
         # The group's own rate (the scheduler keeps it current), so per-group learning rates are honoured.
         group_lr = group["lr"]
         return -group_lr * (m_hat / denom + group["weight_decay"] * param)

@@ -2,13 +2,16 @@
 
 Every input a predictor sees is rank-identical: the parameters, the real update of the last optimizer
 step (computed from all-reduced gradients), and the optimizer's state. Tensors are the local ones
-(under FSDP2, each rank's shard), and every operation is element-wise, so predicting needs no
-communication and ranks stay bit-identical.
+(under FSDP2, each rank's shard, through `local_shard`), and every operation is element-wise, so
+predicting needs no communication and ranks stay bit-identical. No predictor here needs a full tensor;
+one that does must gather it itself, and say what that costs.
 
 Residual correction is shared: on a Correct step the real update is compared with what the predictor
 would have applied, and a per-tensor gain is refitted by least squares (projection of the real update
 on the predicted one, clamped and smoothed). The gain shrinks directions that real steps do not
-follow; the relative residual is logged as `hybrid/prediction_error`.
+follow; the relative residual is logged as `hybrid/prediction_error`. Under FSDP2 the fit's three
+sums per tensor are summed over the shards in one small all-reduce (3 float64 numbers per tensor,
+Correct steps only), so every rank fits the same gains as an unsharded run would.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from abc import ABC, abstractmethod
 from typing import ClassVar
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 
@@ -33,6 +37,7 @@ class Predictor(ABC):
         self.gains = torch.ones(len(params), dtype=torch.float64)
         self.observed = 0
         self.last_residual: float | None = None
+        self.shard_groups = _shard_groups(params)
 
     @property
     def ready(self) -> bool:
@@ -40,7 +45,7 @@ class Predictor(ABC):
         return self.observed >= 2
 
     def observe(self, updates: list[Tensor], lr: float) -> None:
-        """Learn from the real update (parameters after the step minus before) of one optimizer step."""
+        """Learn from the real update (parameters after the step minus before, local shards) of one optimizer step."""
         self.observed += 1
         self._observe(updates, lr)
 
@@ -49,13 +54,15 @@ class Predictor(ABC):
 
     @abstractmethod
     def direction(self, index: int, param: Tensor, lr: float) -> Tensor:
-        """The un-gained predicted update of parameter `index` for one step at learning rate `lr`."""
+        """The un-gained predicted update of parameter `index` for one step at learning rate `lr`; `param` is its
+        local shard, and so is the result."""
 
     @torch.no_grad()
     def apply_(self, lr: float) -> None:
         """Apply one predicted step to the parameters, in place."""
         for i, p in enumerate(self.params):
-            p.add_(self.direction(i, p, lr), alpha=float(self.gains[i]))
+            shard = local_shard(p)
+            shard.add_(self.direction(i, shard, lr), alpha=float(self.gains[i]))
 
     @torch.no_grad()
     def measure_residual(self, updates: list[Tensor], predicted: list[Tensor]) -> float:
@@ -67,8 +74,11 @@ class Predictor(ABC):
         sums = torch.stack([
             torch.stack([(u * u).sum(dtype=torch.float64), (u * d).sum(dtype=torch.float64),
                          (d * d).sum(dtype=torch.float64)])
-            for u, d in ((_local(u), _local(d)) for u, d in zip(updates, predicted))
-        ]).tolist()
+            for u, d in zip(updates, predicted)
+        ])
+        for group in self.shard_groups:
+            dist.all_reduce(sums, group=group)
+        sums = sums.tolist()
         num, den = 0.0, 0.0
         for i, (uu, ud, dd) in enumerate(sums):
             fitted = min(max(ud / dd, 0.0), self.max_gain) if dd > 0 else 0.0
@@ -88,6 +98,18 @@ class Predictor(ABC):
         self.last_residual = state["last_residual"]
 
 
-def _local(t: Tensor) -> Tensor:
-    """Under FSDP2 a reduction over a DTensor would all-gather; the per-shard gain needs only the shard."""
+def local_shard(t: Tensor) -> Tensor:
+    """This rank's part of a tensor: under FSDP2 a DTensor's local shard, which aliases the parameter's storage so
+    in-place work reaches it; otherwise the tensor itself. Looked up at each use rather than kept, because FSDP2 may
+    re-pad a shard into new storage at its lazy init (the first forward). Working on shards keeps every predictor
+    operation local: a reduction over a DTensor would all-gather, and element-wise DTensor ops pay sharding
+    propagation on every call."""
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _shard_groups(params: list[Tensor]) -> list:
+    """The process groups across which the parameters are sharded (FSDP2's DTensors); none when unsharded."""
+    for p in params:
+        if hasattr(p, "device_mesh"):
+            return [p.device_mesh.get_group(dim) for dim, placement in enumerate(p.placements) if placement.is_shard()]
+    return []

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .base import Predictor
+from .base import Predictor, local_shard
 
 
 class VelocityPredictor(Predictor):
@@ -19,14 +19,14 @@ class VelocityPredictor(Predictor):
     def __init__(self, params: list[Tensor], optimizer: torch.optim.Optimizer, beta: float = 0.95) -> None:
         super().__init__(params, optimizer)
         self.beta = beta
-        self.velocity = [torch.zeros_like(p) for p in params]
+        self.velocity = [torch.zeros_like(local_shard(p)) for p in params]
 
     @torch.no_grad()
     def _observe(self, updates: list[Tensor], lr: float) -> None:
         if lr <= 0:
             return
-        for v, u in zip(self.velocity, updates):
-            v.mul_(self.beta).add_(u, alpha=(1 - self.beta) / lr)
+        torch._foreach_mul_(self.velocity, self.beta)
+        torch._foreach_add_(self.velocity, updates, alpha=(1 - self.beta) / lr)
 
     def direction(self, index: int, param: Tensor, lr: float) -> Tensor:
         bias_correction = 1 - self.beta**self.observed

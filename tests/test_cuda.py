@@ -1,0 +1,166 @@
+"""On a GPU only (skipped elsewhere): predicted steps under bf16 autocast and the fp16 GradScaler, `--hybrid false`
+bit for bit, device memory across many Predict phases, optimizer-state offloading, and the trainer under FSDP2."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from hf_hybrid import HybridHFTrainer, Phase
+
+from .conftest import hybrid_args, make_trainer, tiny_gpt2, token_dataset
+from .test_equivalence_resume import assert_bit_identical, state
+from .test_memory_growth import OffloadProbe
+from .test_predict import StepRecorder
+from .test_safety import nan_model
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+ON_GPU = dict(use_cpu=False)
+FSDP2_WORKER = Path(__file__).with_name("fsdp2_trainer_worker.py")
+ACCELERATE_FSDP2 = Path(__file__).resolve().parents[1] / "recipes" / "accelerate" / "fsdp2.yaml"
+
+
+@pytest.fixture(autouse=True)
+def restore_determinism():
+    """`full_determinism=True` switches deterministic algorithms on for the whole process; switch them back."""
+    yield
+    torch.use_deterministic_algorithms(False)
+
+
+class ScaleRecorder(StepRecorder):
+    """Adds the GradScaler's scale and whether the scaler skipped the optimizer step."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        super().on_step_end(args, state, control, **kwargs)
+        scaler = self.trainer.accelerator.scaler
+        self.rows[-1]["scale"] = scaler.get_scale() if scaler is not None else None
+        self.rows[-1]["scaler_skipped"] = self.trainer.accelerator.optimizer_step_was_skipped
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_predict_under_mixed_precision(tmp_out, precision):
+    recorder = ScaleRecorder()
+    trainer = make_trainer(tmp_out, max_steps=60, **ON_GPU, **{precision: True})
+    trainer.add_callback(recorder)
+    recorder.trainer = trainer
+    trainer.train()
+    rows = recorder.rows
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters()), "master weights must stay fp32"
+    predicted = [i for i, r in enumerate(rows) if r["phase"] is Phase.PREDICT and not r["rollback"]]
+    assert len(predicted) >= 5
+    for i in predicted:
+        prev, row = rows[i - 1], rows[i]
+        assert not torch.equal(prev["params"], row["params"]), "a predicted step must change the weights"
+        assert torch.isfinite(row["params"]).all()
+        assert row["had_grad"] is False and row["optimizer_calls"] == prev["optimizer_calls"]
+        assert row["adam_step"] == prev["adam_step"]
+        # A predicted step must not touch the scaler: no unscale, no update, so its scale cannot move.
+        assert row["scale"] == prev["scale"]
+    for i, row in enumerate(rows[1:], start=1):
+        if row["phase"] is not Phase.PREDICT:
+            assert row["had_grad"] is True
+            assert row["adam_step"] == rows[i - 1]["adam_step"] + (0 if row["scaler_skipped"] else 1)
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert losses[-1] < losses[0]
+
+
+def test_nan_under_fp16_never_reaches_the_weights(tmp_out):
+    model = nan_model(at_grad=(3, 9, 17))
+    trainer = make_trainer(tmp_out, model=model, fp16=True, **ON_GPU)
+    trainer.train()
+    stats = trainer.hybrid_stats()
+    assert stats["non_finite"] == 3
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    adam_steps = {float(s["step"]) for s in trainer.optimizer.optimizer.state.values()}
+    assert max(adam_steps) <= stats["backward_steps"] - 3
+
+
+def test_hybrid_false_is_the_plain_trainer_under_bf16(tmp_path):
+    common = dict(per_device_train_batch_size=8, learning_rate=3e-3, max_steps=25, report_to="none", seed=0,
+                  disable_tqdm=True, save_strategy="no", bf16=True, full_determinism=True)
+    plain_model = tiny_gpt2()
+    Trainer(model=plain_model, args=TrainingArguments(output_dir=str(tmp_path / "a"), **common),
+            train_dataset=token_dataset()).train()
+    hybrid_model = tiny_gpt2()
+    HybridHFTrainer(model=hybrid_model, args=hybrid_args(tmp_path / "b", hybrid=False, **ON_GPU, **common),
+                    train_dataset=token_dataset()).train()
+    assert next(plain_model.parameters()).is_cuda
+    assert_bit_identical(state(plain_model), state(hybrid_model))
+
+
+class CycleDeviceMemory(TrainerCallback):
+    """Allocated device memory each time a Predict/Correct cycle has just ended."""
+
+    def __init__(self) -> None:
+        self.trainer = None
+        self.samples = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        engine = self.trainer._hybrid
+        if engine.last_record.phase is Phase.CORRECT and engine.controller.phase is not Phase.CORRECT:
+            torch.cuda.synchronize()
+            self.samples.append(torch.cuda.memory_allocated())
+
+
+def test_device_memory_does_not_grow_over_many_predict_phases(tmp_out):
+    recorder = CycleDeviceMemory()
+    trainer = make_trainer(tmp_out, max_steps=300, logging_steps=1000, bf16=True, **ON_GPU)
+    trainer.add_callback(recorder)
+    recorder.trainer = trainer
+    trainer.train()
+    assert trainer.hybrid_stats()["predict_steps"] >= 100
+    settled = recorder.samples[2:]
+    assert len(settled) >= 20
+    assert max(settled) == min(settled), settled
+
+
+class OffloadMemoryProbe(OffloadProbe):
+    def __init__(self) -> None:
+        super().__init__()
+        self.allocated = []  # (phase, bytes) at every optimizer step
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        super().on_pre_optimizer_step(args, state, control, **kwargs)
+        self.allocated.append((self.trainer._hybrid.record.phase, torch.cuda.memory_allocated()))
+
+
+def test_offloading_optimizer_state_frees_device_memory_and_is_exact(tmp_path):
+    settings = dict(optim="adamw_torch_fused", full_determinism=True, **ON_GPU)
+    reference = tiny_gpt2()
+    make_trainer(tmp_path / "ref", model=reference, **settings).train()
+    probe = OffloadMemoryProbe()
+    model = tiny_gpt2()
+    trainer = make_trainer(tmp_path / "off", model=model, hybrid_offload_optimizer_state=True, **settings)
+    trainer.add_callback(probe)
+    probe.trainer = trainer
+    trainer.train()
+    assert probe.offloaded_by_phase[Phase.PREDICT] == {True}
+    # Once the undo snapshot exists (the first Predict step), a Predict step holds neither gradients nor moments:
+    # at least the moments' bytes less than any later Full step.
+    moments = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
+    first = next(i for i, (phase, _) in enumerate(probe.allocated) if phase is Phase.PREDICT)
+    predict = [b for phase, b in probe.allocated if phase is Phase.PREDICT]
+    full = [b for phase, b in probe.allocated[first:] if phase is Phase.FULL]
+    assert full and max(predict) <= min(full) - moments, probe.allocated
+    assert_bit_identical(state(reference), state(model))
+
+
+@pytest.mark.parametrize("predictor", ["velocity", "adam"])
+def test_trainer_under_accelerate_fsdp2(tmp_path, predictor):
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCELERATE_FSDP2),
+           "--num_processes", "1", str(FSDP2_WORKER), str(tmp_path), predictor]
+    done = subprocess.run(cmd, env=dict(os.environ), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads((tmp_path / "rank0.json").read_text())
+    assert result["fsdp_version"] == 2 and result["dtensor_params"], result
+    assert result["predict_steps"] >= 5 and result["moved_on_predict"] == result["predict_steps_kept"]
+    assert result["apply_collectives"] == 0
+    assert result["finite"] and result["last_loss"] < result["first_loss"]

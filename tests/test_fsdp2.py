@@ -1,0 +1,38 @@
+"""FSDP2 on the CPU (2 gloo processes): predicted deltas, snapshots and rollbacks work on each rank's local shards,
+with no collective, and land every weight where the unsharded computation puts it. The only communication is the
+residual fit's one small all-reduce per Correct step."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+WORKER = Path(__file__).with_name("fsdp2_worker.py")
+
+
+@pytest.mark.parametrize("predictor", ["velocity", "adam"])
+def test_engine_on_fsdp2_shards_needs_no_communication(tmp_path, predictor):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+           str(WORKER), str(tmp_path), predictor]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for rank in ranks:
+        assert rank["world_size"] == 2 and rank["dtensor_params"]
+        assert rank["local_fraction"] <= 0.6, "each rank should hold about half of the weights"
+        assert rank["predict_steps"] >= 5 and rank["rolled_back"]
+        assert rank["counter_sees_a_gather"]
+        collectives = rank["engine_collectives"]
+        assert collectives["predict"] == collectives["other"] == 0, "a DTensor op gathered or reduced"
+        assert rank["correct_steps"] > 0 and collectives["residual"] == rank["correct_steps"]
+        assert rank["max_abs_diff"] < 1e-6, "sharded weights left the unsharded reference"
