@@ -69,7 +69,6 @@ def main(out_dir: str, predictor: str) -> None:
         "fsdp_version": plugin.fsdp_version if plugin is not None else None,
         "param_types": sorted({type(p).__name__ for p in params}),
         "engine_param_types": sorted({type(p).__name__ for p in trainer._hybrid.params}),
-        "dtensor_params": all(isinstance(p, DTensor) for p in params),
         "predict_steps": trainer.hybrid_stats()["predict_steps"],
         "predict_steps_kept": watch.kept,
         "moved_on_predict": watch.moved,
