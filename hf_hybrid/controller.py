@@ -77,6 +77,16 @@ class PhaseController:
     def full_required(self) -> int:
         return self.config.full_steps * (2**self.backoff)
 
+    @property
+    def steps_until_predict(self) -> int:
+        """Optimizer steps, the current one included, before a Predict phase can start at the earliest (0 once
+        one may start, or while predicting and correcting)."""
+        if self.phase is Phase.WARMUP:
+            return self.config.warmup_steps - self.steps_in_phase + self.full_required
+        if self.phase is Phase.FULL:
+            return max(self.full_required - self.steps_in_phase, 0)
+        return 0
+
     def predict_length(self, confidence: float) -> int:
         """Longer predict phases for higher confidence, shorter ones after many in a row."""
         cfg = self.config

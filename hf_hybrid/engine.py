@@ -96,6 +96,7 @@ class HybridEngine:
         self.snapshot = WeightSnapshot()
         self.offloader = OptimizerStateOffloader(optimizer) if settings.hybrid_offload_optimizer_state else None
         self._anchor: list[Tensor] | None = None  # parameters before a real optimizer step
+        self._measured_last = True  # whether the last real step's update was measured (False: a gap since)
         self._predicted: list[Tensor] | None = None
         self.skipped_steps = 0
         self.confidence = 0.0
@@ -218,6 +219,8 @@ class HybridEngine:
         self._predicted = None
         if not self._measures_update:
             return
+        if not self._measured_last:
+            self.predictor.restart()
         shards = self._shards()
         if self._anchor is None:
             self._anchor = [torch.empty_like(p) for p in shards]
@@ -228,14 +231,22 @@ class HybridEngine:
 
     @property
     def _measures_update(self) -> bool:
-        """The real update is needed by a predictor that learns from it, and on Correct steps for the residual."""
-        return self.predictor.uses_updates or self.record.phase is Phase.CORRECT
+        """The real update is needed on Correct steps for the residual, and by a predictor that learns from it in
+        the window before a prediction can start."""
+        if self.record.phase is Phase.CORRECT:
+            return True
+        window = self.predictor.history_steps
+        return self.predictor.uses_updates and (window is None or self.controller.steps_until_predict <= window)
 
     @torch.no_grad()
     def after_optimizer_step(self, lr: float) -> None:
         """Feed the real update to the predictor, after measuring the residual on a Correct step."""
-        if not self._measures_update:
-            self.predictor.observe([], lr)
+        measured = self._measures_update
+        # Only a predictor that learns from updates has a gap to restart after.
+        self._measured_last = measured or not self.predictor.uses_updates
+        if not measured:
+            if not self.predictor.uses_updates:
+                self.predictor.observe([], lr)
             return
         updates = self._anchor
         torch._foreach_neg_(updates)
@@ -339,6 +350,7 @@ class HybridEngine:
             "probe": {k: v.detach().cpu() for k, v in self.probe.items()} if self.probe is not None else None,
             "probe_loss": self.probe_loss,
             "skipped_steps": self.skipped_steps,
+            "measured_last": self._measured_last,
             "confidence": self.confidence,
             "band": self.band,
         }
@@ -354,5 +366,6 @@ class HybridEngine:
         self.probe = {k: v.to(device) for k, v in state["probe"].items()} if state["probe"] is not None else None
         self.probe_loss = state["probe_loss"]
         self.skipped_steps = state["skipped_steps"]
+        self._measured_last = state["measured_last"]
         self.confidence = state["confidence"]
         self.band = tuple(state["band"])

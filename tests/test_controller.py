@@ -57,6 +57,27 @@ def test_abort_backs_off_and_reward_recovers():
     assert c.full_required == 4
 
 
+def test_steps_until_predict_counts_down_to_the_next_predict_phase():
+    c = PhaseController(ControllerConfig(warmup_steps=3, full_steps=2, min_predict_steps=2, max_predict_steps=2,
+                                         correct_steps=1, max_consecutive_predicts=1))
+    phases, countdown = [], []
+    for step in range(30):
+        if step == 12:
+            c.abort()  # a rollback: the next Full phase is twice as long
+        phases.append(c.phase)
+        countdown.append(c.steps_until_predict)
+        c.end_step(1.0, True)
+    predict_at = [i for i, phase in enumerate(phases) if phase is Phase.PREDICT]
+    checked = []
+    for i, phase in enumerate(phases[:predict_at[-1]]):
+        if phase in (Phase.WARMUP, Phase.FULL):
+            assert countdown[i] == next(j for j in predict_at if j >= i) - i, (i, phases, countdown)
+            checked.append(countdown[i])
+        else:
+            assert countdown[i] == 0
+    assert max(checked) == 3 + 2 and 4 in checked  # warmup plus Full; the backed-off Full phase
+
+
 @pytest.mark.parametrize("kwargs", [dict(full_steps=0), dict(warmup_steps=-1), dict(confidence_threshold=1.5),
                                     dict(min_predict_steps=5, max_predict_steps=2)])
 def test_config_rejects_bad_values(kwargs):

@@ -102,3 +102,32 @@ def test_logs_carry_numeric_hybrid_metrics(tmp_out):
     assert {"hybrid/confidence", "hybrid/backward_reduction", "hybrid/rollbacks", "hybrid/divergences"} <= keys
     trace = (tmp_out / "hybrid_trace.jsonl").read_text().splitlines()
     assert len(trace) == trainer.state.global_step
+
+
+def test_updates_are_measured_only_in_the_window_before_a_prediction(tmp_out, monkeypatch):
+    from hf_hybrid.predictors.velocity import VelocityPredictor
+
+    trainer = None
+    observed, restarts = [], []
+
+    def observe(self, updates, lr):
+        observed.append(trainer._hybrid.record.step)
+        original_observe(self, updates, lr)
+
+    def restart(self):
+        restarts.append(trainer._hybrid.record.step)
+        original_restart(self)
+
+    original_observe, original_restart = VelocityPredictor.observe, VelocityPredictor.restart
+    monkeypatch.setattr(VelocityPredictor, "observe", observe)
+    monkeypatch.setattr(VelocityPredictor, "restart", restart)
+    recorder = StepRecorder()
+    # beta 0.9: a 20-step window. Warmup 60 then Full 3: the first prediction can start at step 63.
+    trainer = make_trainer(tmp_out, hybrid_warmup_steps=60, hybrid_velocity_beta=0.9, max_steps=90)
+    trainer.add_callback(recorder)
+    recorder.trainer = trainer
+    trainer.train()
+    real_steps = [i for i, r in enumerate(recorder.rows) if r["phase"] is not Phase.PREDICT]
+    assert restarts == [43]
+    assert observed == [i for i in real_steps if i >= 43]
+    assert trainer.hybrid_stats()["predict_steps"] > 0

@@ -28,6 +28,10 @@ from torch import Tensor
 class Predictor(ABC):
     name: ClassVar[str]
     uses_updates: ClassVar[bool] = True  # whether `observe` needs the real update (costs a parameter copy)
+    # How many real updates right before a prediction the predictor needs (None: all of them). Outside that window
+    # the engine does not measure updates at all, so a run whose jumps keep being rejected (long back-off) or a long
+    # warmup does not pay for them; the predictor is restarted when its window opens.
+    history_steps: int | None = None
     gain_smoothing: ClassVar[float] = 0.3
     max_gain: ClassVar[float] = 2.0
 
@@ -51,6 +55,10 @@ class Predictor(ABC):
 
     def _observe(self, updates: list[Tensor], lr: float) -> None:  # noqa: B027 - optional hook
         pass
+
+    def restart(self) -> None:
+        """Forget the updates seen so far: the next ones follow a gap, so an average across it would be stale."""
+        self.observed = 0
 
     @abstractmethod
     def direction(self, index: int, param: Tensor, lr: float) -> Tensor:

@@ -20,6 +20,12 @@ class VelocityPredictor(Predictor):
         super().__init__(params, optimizer)
         self.beta = beta
         self.velocity = [torch.zeros_like(local_shard(p)) for p in params]
+        # After 2/(1-beta) updates the average has 87% of its weight on them; older ones add little.
+        self.history_steps = max(2, round(2 / (1 - beta)))
+
+    def restart(self) -> None:
+        super().restart()
+        torch._foreach_zero_(self.velocity)
 
     @torch.no_grad()
     def _observe(self, updates: list[Tensor], lr: float) -> None:
