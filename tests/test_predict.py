@@ -51,17 +51,23 @@ def train_recorded(tmp_out, **overrides):
     return trainer, recorder.rows
 
 
-def test_predict_moves_weights_without_backward_or_optimizer(tmp_out):
-    trainer, rows = train_recorded(tmp_out)
-    predict_rows = [i for i, r in enumerate(rows) if r["phase"] is Phase.PREDICT and not r["rollback"]]
-    assert len(predict_rows) >= 5
-    for i in predict_rows:
+def kept_predicted_steps(rows: list[dict]) -> list[int]:
+    """Indices of the Predict steps that were not rolled back, each checked against the step before it: the weights
+    moved and stayed finite, no backward ran, the optimizer did not step."""
+    kept = [i for i, r in enumerate(rows) if r["phase"] is Phase.PREDICT and not r["rollback"]]
+    for i in kept:
         prev, row = rows[i - 1], rows[i]
         assert not torch.equal(prev["params"], row["params"]), "a predicted step must change the weights"
         assert torch.isfinite(row["params"]).all()
         assert row["had_grad"] is False, "no backward may run on a predicted step"
         assert row["adam_step"] == prev["adam_step"], "the optimizer must not step on a predicted step"
         assert row["optimizer_calls"] == prev["optimizer_calls"], "optimizer.step() ran on a predicted step"
+    return kept
+
+
+def test_predict_moves_weights_without_backward_or_optimizer(tmp_out):
+    trainer, rows = train_recorded(tmp_out)
+    assert len(kept_predicted_steps(rows)) >= 5
     for i, row in enumerate(rows[1:], start=1):
         if row["phase"] is not Phase.PREDICT:
             assert row["had_grad"] is True
