@@ -161,12 +161,13 @@ class LossDynamicsModel:
         for member, h, step_out in zip(self.members, self._hidden, self._next):
             inputs = last.clone()
             m_list, v_list = [], []
-            for _ in range(horizon):
+            for k in range(horizon):
                 mean, log_var = inputs[..., 0] + step_out[..., 0], step_out[..., 1].clamp(-6.0, 4.0)
                 m_list.append(mean.reshape(()))
                 v_list.append(log_var.exp().reshape(()))
-                inputs[..., 0] = mean
-                step_out, h = member(inputs, h)
+                if k + 1 < horizon:  # the step after the last one is never read: no recurrent call for it
+                    inputs[..., 0] = mean
+                    step_out, h = member(inputs, h)
             means.append(torch.stack(m_list))
             variances.append(torch.stack(v_list))
         return torch.stack(means), torch.stack(variances)
