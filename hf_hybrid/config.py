@@ -41,6 +41,10 @@ class HybridTrainingArguments(TrainingArguments):
             (unless the confidence is exactly 1).
         hybrid_max_consecutive_predicts (`int`, defaults to `5`):
             Predict/Correct cycles in a row before a Full phase is forced.
+        hybrid_max_rejections (`int`, defaults to `3`):
+            After this many jumps in a row are rolled back (by the payoff check or a divergence), stop predicting
+            for the rest of the run and give back the predictor's buffers: the run then costs what the Trainer
+            does, plus a loss and gradient-norm check per step. 0 never stops.
         hybrid_predictor (`str`, defaults to `"velocity"`):
             How deltas are predicted: `velocity` (EMA of real updates per unit learning rate, one extra
             parameter-sized buffer) or `adam` (AdamW's step with its moments held fixed, no extra buffer).
@@ -67,6 +71,10 @@ class HybridTrainingArguments(TrainingArguments):
             Write one JSON line per optimizer step to `<output_dir>/hybrid_trace.jsonl` (main process).
         hybrid_vram_min_free_mb (`float`, defaults to `0.0`):
             On a GPU, ask for a checkpoint when free memory falls below this many MB. 0 turns it off.
+        hybrid_offload_snapshot (`bool`, defaults to `False`):
+            Keep the copy of the weights that undoes a Predict phase in pinned host memory rather than on the GPU:
+            one parameter-sized buffer less of device memory, for a device-to-host copy of the weights at each
+            Predict phase's start and a copy back at each rollback. No effect on CPU.
         hybrid_offload_optimizer_state (`bool`, defaults to `False`):
             Predict-aware memory: while predicting, park the optimizer state in pinned host memory (gradients are
             already freed); it comes back asynchronously before the next real step. Needs the `velocity`
@@ -86,6 +94,9 @@ class HybridTrainingArguments(TrainingArguments):
     )
     hybrid_max_consecutive_predicts: int = field(
         default=5, metadata={"help": "Predict/Correct cycles in a row before a Full phase is forced."}
+    )
+    hybrid_max_rejections: int = field(
+        default=3, metadata={"help": "Stop predicting after this many rolled-back jumps in a row (0 = never)."}
     )
     hybrid_predictor: PredictorName = field(default="velocity", metadata={"help": "Delta predictor."})
     hybrid_velocity_beta: float = field(default=0.95, metadata={"help": "EMA decay of the velocity predictor."})
@@ -108,7 +119,9 @@ class HybridTrainingArguments(TrainingArguments):
     hybrid_vram_min_free_mb: float = field(
         default=0.0, metadata={"help": "GPU: checkpoint when free VRAM falls below this (MB); 0 = off."}
     )
-
+    hybrid_offload_snapshot: bool = field(
+        default=False, metadata={"help": "GPU: keep the undo copy of the weights in pinned host memory."}
+    )
     hybrid_offload_optimizer_state: bool = field(
         default=False, metadata={"help": "GPU: park optimizer state in pinned host memory during Predict phases."}
     )
@@ -127,7 +140,7 @@ def validate_hybrid_settings(settings) -> None:
     def bad(flag: str, why: str) -> None:
         raise ValueError(f"--{flag}: {why} (got {getattr(settings, flag)!r})")
 
-    for flag in ("hybrid_warmup_steps", "hybrid_correct_steps"):
+    for flag in ("hybrid_warmup_steps", "hybrid_correct_steps", "hybrid_max_rejections"):
         if getattr(settings, flag) < 0:
             bad(flag, "must be >= 0")
     for flag in ("hybrid_full_steps", "hybrid_min_predict_steps", "hybrid_max_consecutive_predicts",

@@ -9,8 +9,13 @@ the same rank-identical inputs, and a pure machine is easy to test exhaustively 
 
 `full_required` starts at `full_steps` and doubles (up to `max_backoff` doublings) each time a
 prediction is rolled back (including a jump that failed its payoff check), and halves back each time a
-jump pays (passes the payoff check, or without it, comes through its Correct steps): when prediction does
-not pay, the controller stops paying for it.
+jump pays (passes the payoff check, or without it, comes through its Correct steps). After
+`max_rejections` rollbacks in a row the controller retires: it stays in FULL for the rest of the run,
+so a run where prediction does not pay stops paying for it altogether.
+
+The confidence costs an ensemble rollout to compute, so the machine says when a decision needs it
+(`confidence_due`): at the end of a Correct phase, and in a Full phase that has run its required steps
+only every `confidence_interval` steps until it is confident.
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ class ControllerConfig:
     confidence_threshold: float = 0.85
     max_consecutive_predicts: int = 5
     max_backoff: int = 6
+    max_rejections: int = 3
+    confidence_interval: int = 10
 
     def __post_init__(self) -> None:
         if self.warmup_steps < 0 or self.correct_steps < 0:
@@ -56,6 +63,8 @@ class ControllerConfig:
             raise ValueError("confidence_threshold must be in [0, 1]")
         if self.max_consecutive_predicts < 1 or self.max_backoff < 0:
             raise ValueError("max_consecutive_predicts must be >= 1 and max_backoff >= 0")
+        if self.max_rejections < 0 or self.confidence_interval < 1:
+            raise ValueError("max_rejections must be >= 0 and confidence_interval >= 1")
 
 
 @dataclass
@@ -66,6 +75,8 @@ class PhaseController:
     planned_predict_steps: int = 0
     consecutive_predicts: int = 0
     backoff: int = 0
+    consecutive_rejections: int = 0
+    retired: bool = False
     phase_steps: dict[str, int] = field(default_factory=lambda: {p.value: 0 for p in Phase})
     rollbacks: int = 0
 
@@ -78,14 +89,31 @@ class PhaseController:
         return self.config.full_steps * (2**self.backoff)
 
     @property
-    def steps_until_predict(self) -> int:
+    def steps_until_predict(self) -> float:
         """Optimizer steps, the current one included, before a Predict phase can start at the earliest (0 once
-        one may start, or while predicting and correcting)."""
+        one may start, or while predicting and correcting; infinite once retired)."""
+        if self.retired:
+            return math.inf
         if self.phase is Phase.WARMUP:
             return self.config.warmup_steps - self.steps_in_phase + self.full_required
         if self.phase is Phase.FULL:
             return max(self.full_required - self.steps_in_phase, 0)
         return 0
+
+    @property
+    def confidence_due(self) -> bool:
+        """Whether the decision at the end of the step under way reads the confidence."""
+        cfg = self.config
+        if self.retired:
+            return False
+        if self.phase is Phase.FULL:
+            past = self.steps_in_phase + 1 - self.full_required
+            return past >= 0 and past % cfg.confidence_interval == 0
+        if self.phase is Phase.CORRECT:
+            return self.steps_in_phase + 1 >= cfg.correct_steps
+        if self.phase is Phase.PREDICT:
+            return cfg.correct_steps == 0 and self.steps_in_phase + 1 >= self.planned_predict_steps
+        return False
 
     def predict_length(self, confidence: float) -> int:
         """Longer predict phases for higher confidence, shorter ones after many in a row."""
@@ -110,7 +138,8 @@ class PhaseController:
             if self.steps_in_phase >= cfg.warmup_steps:
                 self._enter(Phase.FULL)
         elif self.phase is Phase.FULL:
-            if self.steps_in_phase >= self.full_required and predictor_ready and self._confident(confidence):
+            may_start = not self.retired and self.steps_in_phase >= self.full_required
+            if may_start and predictor_ready and self._confident(confidence):
                 self.consecutive_predicts = 0
                 self._start_predict(confidence)
         elif self.phase is Phase.PREDICT:
@@ -137,15 +166,19 @@ class PhaseController:
             self._enter(Phase.FULL)
 
     def abort(self) -> None:
-        """A prediction was rolled back: back to FULL, and wait longer before the next one."""
+        """A prediction was rolled back: back to FULL, and wait longer before the next one, or retire."""
         self.rollbacks += 1
         self.backoff = min(self.backoff + 1, self.config.max_backoff)
+        self.consecutive_rejections += 1
+        if self.config.max_rejections and self.consecutive_rejections >= self.config.max_rejections:
+            self.retired = True
         self.consecutive_predicts = 0
         self._enter(Phase.FULL)
 
     def reward(self) -> None:
         """A jump passed its payoff check: wait less before the next one."""
         self.backoff = max(self.backoff - 1, 0)
+        self.consecutive_rejections = 0
 
     def state_dict(self) -> dict:
         state = asdict(self)

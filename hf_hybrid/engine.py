@@ -26,25 +26,45 @@ from .predictors.base import local_shard
 
 
 class WeightSnapshot:
-    """A copy of the parameters to undo a Predict phase, bit-exactly. Buffers are reused, never regrown."""
+    """A copy of the parameters to undo a Predict phase, bit-exactly. Buffers are reused, never regrown.
 
-    def __init__(self) -> None:
+    With `on_host`, accelerator parameters are copied into pinned host memory instead: one parameter-sized
+    buffer less on the device, for a device-to-host copy at each Predict phase's start and a host-to-device
+    copy at each rollback. Both are queued on the current stream, so the weights are not changed before the
+    copy has read them and a later capture cannot overwrite a restore still in flight.
+    """
+
+    def __init__(self, on_host: bool = False) -> None:
+        self.on_host = on_host
         self.tensors: list[Tensor] | None = None
         self.valid = False
+        self._copied: torch.cuda.Event | None = None  # the last device-to-host copy, for host reads
 
     @torch.no_grad()
     def capture(self, params: list[Tensor]) -> None:
+        to_host = self.on_host and params[0].is_cuda
         if self.tensors is None:
-            self.tensors = [torch.empty_like(p) for p in params]
-        torch._foreach_copy_(self.tensors, params)
+            if to_host:
+                self.tensors = [torch.empty(p.shape, dtype=p.dtype, pin_memory=True) for p in params]
+            else:
+                self.tensors = [torch.empty_like(p) for p in params]
+        torch._foreach_copy_(self.tensors, params, non_blocking=to_host)
+        if to_host:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
         self.valid = True
 
     @torch.no_grad()
     def restore(self, params: list[Tensor]) -> None:
         assert self.valid and self.tensors is not None, "no snapshot to restore"
-        torch._foreach_copy_(params, self.tensors)
+        torch._foreach_copy_(params, self.tensors, non_blocking=self._copied is not None)
+
+    def release(self) -> None:
+        self.tensors, self.valid, self._copied = None, False, None
 
     def state_dict(self) -> dict:
+        if self._copied is not None:
+            self._copied.synchronize()  # the host copy may still be arriving
         tensors = [t.detach().cpu().clone() for t in self.tensors] if self.valid and self.tensors else None
         return {"valid": self.valid, "tensors": tensors}
 
@@ -83,6 +103,7 @@ class HybridEngine:
                 correct_steps=settings.hybrid_correct_steps,
                 confidence_threshold=settings.hybrid_confidence_threshold,
                 max_consecutive_predicts=settings.hybrid_max_consecutive_predicts,
+                max_rejections=settings.hybrid_max_rejections,
             )
         )
         self.monitor = DivergenceMonitor(
@@ -93,9 +114,13 @@ class HybridEngine:
         predictor_cls = PREDICTORS[settings.hybrid_predictor]
         kwargs = {"beta": settings.hybrid_velocity_beta} if settings.hybrid_predictor == "velocity" else {}
         self.predictor = predictor_cls(params, optimizer, **kwargs)
-        self.snapshot = WeightSnapshot()
+        self.snapshot = WeightSnapshot(on_host=settings.hybrid_offload_snapshot)
         self.offloader = OptimizerStateOffloader(optimizer) if settings.hybrid_offload_optimizer_state else None
-        self._anchor: list[Tensor] | None = None  # parameters before a real optimizer step
+        self._anchor: list[Tensor] | None = None  # parameters before a real optimizer step, while it runs
+        # On an accelerator the anchor is freed after each step: the caching allocator hands the same blocks back,
+        # and a buffer that lives only around the optimizer step stays out of the forward and backward's peak. On
+        # the host it is kept, because glibc would map and unmap it every step.
+        self._keep_anchor = not params[0].is_cuda
         self._measured_last = True  # whether the last real step's update was measured (False: a gap since)
         self._predicted: list[Tensor] | None = None
         self.skipped_steps = 0
@@ -197,7 +222,8 @@ class HybridEngine:
                 return True
         self.payoff.tick_real(loss)
         self.monitor.observe(loss, grad_norm)
-        self.dynamics.observe(loss, grad_norm, lr)
+        if not self.controller.retired:  # the loss forecast serves only decisions to predict
+            self.dynamics.observe(loss, grad_norm, lr)
         return False
 
     def rollback(self) -> None:
@@ -209,6 +235,14 @@ class HybridEngine:
         self.probe = self.probe_loss = None
         self.controller.abort()
         self.record.rollback = True
+        if self.controller.retired:
+            self._release()
+
+    def _release(self) -> None:
+        """Retired: prediction stopped paying, so its parameter-sized buffers are given back for good."""
+        self.snapshot.release()
+        self.predictor.release()
+        self._anchor = self._predicted = None
 
     @torch.no_grad()
     def before_optimizer_step(self, lr: float) -> None:
@@ -260,7 +294,7 @@ class HybridEngine:
         """After the optimizer step: decide the next step's phase."""
         record = self.record
         if not record.rollback:
-            if self._needs_confidence():
+            if self.controller.confidence_due:
                 self.confidence = self.dynamics.confidence()
             ready = self.predictor.ready and self.dynamics.ready
             self.controller.end_step(self.confidence, ready)
@@ -276,6 +310,8 @@ class HybridEngine:
         if self.offloader is not None and self.offloader.is_offloaded and self.controller.phase is not Phase.PREDICT:
             self.offloader.restore()  # asynchronous: overlaps the next step's forward and backward
         self._predicted = None
+        if not self._keep_anchor:
+            self._anchor = None
         self.last_record, self.record = record, None
         return self.controller.phase
 
@@ -287,14 +323,6 @@ class HybridEngine:
             self.probe = self.probe_loss = None
         if self.offloader is not None and self.offloader.is_offloaded:
             self.offloader.restore(non_blocking=False)
-
-    def _needs_confidence(self) -> bool:
-        c = self.controller
-        if c.phase is Phase.FULL:
-            return c.steps_in_phase + 1 >= c.full_required
-        if c.phase is Phase.CORRECT:
-            return c.steps_in_phase + 1 >= c.config.correct_steps
-        return c.phase is Phase.PREDICT and c.config.correct_steps == 0
 
     def _shards(self) -> list[Tensor]:
         """The parameters' local shards (the parameters themselves without FSDP2): everything the engine does to
@@ -331,6 +359,7 @@ class HybridEngine:
             "hybrid/divergences": float(stats["divergences"]),
             "hybrid/skipped_steps": float(stats["skipped_steps"]),
             "hybrid/backoff": float(self.controller.backoff),
+            "hybrid/retired": float(self.controller.retired),
             "hybrid/payoff_advantage": float(self.payoff.advantage),
             "hybrid/probe_gain": float(self.payoff.last_gain),
             "hybrid/probe_required": float(self.payoff.last_required),
@@ -357,6 +386,8 @@ class HybridEngine:
 
     def load_state_dict(self, state: dict) -> None:
         self.controller.load_state_dict(state["controller"])
+        if self.controller.retired:
+            self._release()
         self.monitor.load_state_dict(state["monitor"])
         self.payoff.load_state_dict(state["payoff"])
         self.dynamics.load_state_dict(state["dynamics"])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -78,8 +80,49 @@ def test_steps_until_predict_counts_down_to_the_next_predict_phase():
     assert max(checked) == 3 + 2 and 4 in checked  # warmup plus Full; the backed-off Full phase
 
 
+def test_repeated_rejections_retire_and_a_kept_jump_resets_the_count():
+    c = PhaseController(ControllerConfig(warmup_steps=0, full_steps=1, max_rejections=3))
+    for _ in range(2):
+        c.abort()
+    c.reward()  # a kept jump: the rejections are no longer in a row
+    for _ in range(2):
+        c.abort()
+    assert not c.retired and c.steps_until_predict < math.inf
+    c.abort()
+    assert c.retired and c.steps_until_predict == math.inf
+    assert set(run(c, 5000, confidence=1.0)) == {Phase.FULL}
+    assert not c.confidence_due
+
+    never = PhaseController(ControllerConfig(warmup_steps=0, full_steps=1, max_rejections=0, max_backoff=2))
+    for _ in range(20):
+        never.abort()
+    assert not never.retired and Phase.PREDICT in run(never, 10, confidence=1.0)
+
+
+def test_confidence_is_read_every_interval_until_confident_and_at_each_correct_end():
+    c = PhaseController(ControllerConfig(warmup_steps=2, full_steps=3, confidence_threshold=0.5, correct_steps=2,
+                                         min_predict_steps=2, max_predict_steps=2, confidence_interval=4))
+    due = []
+    for _ in range(20):
+        due.append(c.confidence_due)
+        c.end_step(0.0, True)  # never confident: Full goes on
+    # Full starts at step 2 and has done its 3 required steps at the end of step 4; then every 4th step.
+    assert [i for i, d in enumerate(due) if d] == [4, 8, 12, 16]
+    assert c.confidence_due  # step 20
+    c.end_step(0.9, True)
+    assert c.phase is Phase.PREDICT
+    phases, due = [], []
+    for _ in range(4):
+        phases.append(c.phase)
+        due.append(c.confidence_due)
+        c.end_step(0.9, True)
+    assert phases == [Phase.PREDICT, Phase.PREDICT, Phase.CORRECT, Phase.CORRECT]
+    assert due == [False, False, False, True]
+
+
 @pytest.mark.parametrize("kwargs", [dict(full_steps=0), dict(warmup_steps=-1), dict(confidence_threshold=1.5),
-                                    dict(min_predict_steps=5, max_predict_steps=2)])
+                                    dict(min_predict_steps=5, max_predict_steps=2), dict(max_rejections=-1),
+                                    dict(confidence_interval=0)])
 def test_config_rejects_bad_values(kwargs):
     with pytest.raises(ValueError):
         ControllerConfig(**kwargs)
@@ -92,10 +135,11 @@ events = st.lists(st.tuples(st.floats(0, 1), st.booleans(), st.sampled_from(["st
 
 @settings(max_examples=150, deadline=None)
 @given(events=events, warmup=st.integers(0, 5), full=st.integers(1, 5), max_predict=st.integers(1, 6),
-       correct=st.integers(0, 3), threshold=st.floats(0, 1))
-def test_invariants_under_random_inputs(events, warmup, full, max_predict, correct, threshold):
+       correct=st.integers(0, 3), threshold=st.floats(0, 1), max_rejections=st.integers(0, 4))
+def test_invariants_under_random_inputs(events, warmup, full, max_predict, correct, threshold, max_rejections):
     cfg = ControllerConfig(warmup_steps=warmup, full_steps=full, min_predict_steps=1, max_predict_steps=max_predict,
-                           correct_steps=correct, confidence_threshold=threshold, max_consecutive_predicts=3)
+                           correct_steps=correct, confidence_threshold=threshold, max_consecutive_predicts=3,
+                           max_rejections=max_rejections)
     c = PhaseController(cfg)
     steps = 0
     run_length, previous = 0, None
@@ -125,6 +169,7 @@ def test_invariants_under_random_inputs(events, warmup, full, max_predict, corre
             assert new is Phase.CORRECT
         assert sum(c.phase_steps.values()) == steps
         assert 0 <= c.backoff <= cfg.max_backoff
+        assert not c.retired or (c.phase is Phase.FULL and max_rejections > 0)
 
 
 @settings(max_examples=50, deadline=None)

@@ -1,5 +1,6 @@
 """On a GPU only (skipped elsewhere): predicted steps under bf16 autocast and the fp16 GradScaler, `--hybrid false`
-bit for bit, device memory across many Predict phases, optimizer-state offloading, and the trainer under FSDP2."""
+bit for bit, device memory across many Predict phases, optimizer-state and snapshot offloading, and the trainer under
+FSDP2."""
 
 from __future__ import annotations
 
@@ -11,15 +12,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from hf_hybrid import HybridHFTrainer, Phase
 
 from .conftest import hybrid_args, make_trainer, tiny_gpt2, token_dataset
 from .test_equivalence_resume import assert_bit_identical, state
 from .test_memory_growth import CycleMemory, OffloadProbe
-from .test_predict import StepRecorder, kept_predicted_steps
-from .test_safety import nan_model
+from .test_predict import StepRecorder, kept_predicted_steps, train_recorded
+from .test_safety import nan_model, sabotage_fifth_predicted_step
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -136,6 +137,50 @@ def test_offloading_optimizer_state_frees_device_memory_and_is_exact(tmp_path):
     full = [b for phase, b in probe.allocated[first:] if phase is Phase.FULL]
     assert full and max(predict) <= min(full) - moments, probe.allocated
     assert_bit_identical(state(reference), state(model))
+
+
+class StepEndMemory(TrainerCallback):
+    """Device memory allocated at the end of each optimizer step: what outlives the step."""
+
+    def __init__(self) -> None:
+        self.samples = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.samples.append(torch.cuda.memory_allocated())
+
+
+def test_snapshot_on_host_rolls_back_exactly(tmp_out, monkeypatch):
+    sabotage_fifth_predicted_step(monkeypatch)
+    trainer, rows = train_recorded(tmp_out, hybrid_loss_band=3.0, hybrid_offload_snapshot=True, **ON_GPU)
+    rolled = [i for i, r in enumerate(rows) if r["rollback"]]
+    assert rolled and rows[rolled[0]]["phase"] is Phase.PREDICT
+    start = rolled[0]
+    while rows[start - 1]["phase"] is Phase.PREDICT:
+        start -= 1
+    assert torch.equal(rows[rolled[0]]["params"], rows[start - 1]["params"])
+    snapshot = trainer._hybrid.snapshot.tensors
+    assert all(t.device.type == "cpu" and t.is_pinned() for t in snapshot)
+
+
+@pytest.mark.parametrize("predictor, extra_buffers", [("adam", 0), ("velocity", 1)])
+def test_engine_keeps_no_weight_copy_on_the_device_beyond_its_predictor(tmp_path, predictor, extra_buffers):
+    """With the snapshot on the host and the anchor living only around the optimizer step, what the hybrid holds
+    on the device between steps is the Trainer's, plus the predictor's own buffer (velocity: one copy)."""
+    plain_memory, hybrid_memory = StepEndMemory(), StepEndMemory()
+    args = TrainingArguments(output_dir=str(tmp_path / "plain"), per_device_train_batch_size=8, learning_rate=3e-3,
+                             max_steps=40, save_strategy="no", report_to="none", seed=0, data_seed=0)
+    plain = Trainer(model=tiny_gpt2(), args=args, train_dataset=token_dataset(), callbacks=[plain_memory])
+    plain.train()
+    del plain
+    model = tiny_gpt2()
+    trainer = make_trainer(tmp_path / "hybrid", model=model, hybrid_predictor=predictor, hybrid_offload_snapshot=True,
+                           **ON_GPU)
+    trainer.add_callback(hybrid_memory)
+    trainer.train()
+    assert trainer.hybrid_stats()["predict_steps"] >= 5
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    extra = max(hybrid_memory.samples) - max(plain_memory.samples)
+    assert extra <= extra_buffers * weights + 64 * 1024, (extra, weights)
 
 
 @pytest.mark.parametrize("predictor", ["velocity", "adam"])

@@ -172,3 +172,29 @@ def test_without_payoff_check_survived_jumps_undo_the_back_off(tmp_out, monkeypa
     controller = trainer._hybrid.controller
     assert controller.rollbacks >= 1
     assert controller.backoff < controller.rollbacks  # each rollback doubled the wait; later survivors halved it
+
+
+def test_repeated_rejections_retire_prediction_and_give_back_its_buffers(tmp_path, monkeypatch):
+    """Three rejected jumps in a row: no Predict step after the third, no more loss-forecast work, the velocity
+    and snapshot buffers freed, and a resumed engine stays retired."""
+    from hf_hybrid.payoff import PayoffMeter
+
+    original_verdict = PayoffMeter.verdict
+    monkeypatch.setattr(PayoffMeter, "verdict", lambda self, gain: original_verdict(self, float("-inf")))
+    trainer, rows = train_recorded(tmp_path, hybrid_payoff_check=True, max_steps=120, hybrid_max_rejections=3)
+    rollbacks = [i for i, r in enumerate(rows) if r["rollback"]]
+    assert len(rollbacks) == 3
+    assert all(r["phase"] is not Phase.PREDICT for r in rows[rollbacks[-1] + 1:])
+    assert len(rows) - rollbacks[-1] > 30  # a long stretch that would have held a fourth attempt
+    engine = trainer._hybrid
+    assert engine.controller.retired and engine.log_metrics()["hybrid/retired"] == 1.0
+    assert engine.predictor.velocity == [] and engine.snapshot.tensors is None and engine._anchor is None
+    real_steps = sum(1 for r in rows if r["phase"] is not Phase.PREDICT)
+    assert engine.dynamics.steps < real_steps - 30  # it stopped observing at the retirement
+    trainer._hybrid_pending_state = engine.state_dict()
+    resumed = trainer._build_engine()
+    assert resumed.controller.retired and resumed.predictor.velocity == []
+
+    trainer, rows = train_recorded(tmp_path / "never", hybrid_payoff_check=True, max_steps=120,
+                                   hybrid_max_rejections=0)
+    assert sum(r["rollback"] for r in rows) >= 4

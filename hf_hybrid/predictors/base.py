@@ -60,6 +60,9 @@ class Predictor(ABC):
         """Forget the updates seen so far: the next ones follow a gap, so an average across it would be stale."""
         self.observed = 0
 
+    def release(self) -> None:  # noqa: B027 - optional hook
+        """Give back the predictor's own parameter-sized buffers: no prediction will follow."""
+
     @abstractmethod
     def direction(self, index: int, param: Tensor, lr: float) -> Tensor:
         """The un-gained predicted update of parameter `index` for one step at learning rate `lr`; `param` is its

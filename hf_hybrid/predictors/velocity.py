@@ -27,6 +27,9 @@ class VelocityPredictor(Predictor):
         super().restart()
         torch._foreach_zero_(self.velocity)
 
+    def release(self) -> None:
+        self.velocity = []
+
     @torch.no_grad()
     def _observe(self, updates: list[Tensor], lr: float) -> None:
         if lr <= 0:
