@@ -14,8 +14,11 @@ jump pays (passes the payoff check, or without it, comes through its Correct ste
 so a run where prediction does not pay stops paying for it altogether.
 
 The confidence costs an ensemble rollout to compute, so the machine says when a decision needs it
-(`confidence_due`): at the end of a Correct phase, and in a Full phase that has run its required steps
-only every `confidence_interval` steps until it is confident.
+(`confidence_due`): at the end of a Correct phase, and in a Full phase once it has run its required
+steps. There a check that finds the predictor ready but the confidence too low schedules the next one
+`confidence_interval` steps later, doubling with each miss (up to 2**MAX_CHECK_DOUBLINGS times), and a
+prediction starts only at a check. A confidence that keeps failing is read less and less often, and
+between checks `steps_until_predict` is long enough for a predictor's observation window to close.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 from enum import Enum
+
+MAX_CHECK_DOUBLINGS = 4
 
 
 class Phase(str, Enum):
@@ -77,6 +82,8 @@ class PhaseController:
     backoff: int = 0
     consecutive_rejections: int = 0
     retired: bool = False
+    check_delay: int = 0  # steps past `full_required` at which the Full phase's next confidence check falls
+    check_misses: int = 0
     phase_steps: dict[str, int] = field(default_factory=lambda: {p.value: 0 for p in Phase})
     rollbacks: int = 0
 
@@ -97,7 +104,7 @@ class PhaseController:
         if self.phase is Phase.WARMUP:
             return self.config.warmup_steps - self.steps_in_phase + self.full_required
         if self.phase is Phase.FULL:
-            return max(self.full_required - self.steps_in_phase, 0)
+            return max(self.full_required + self.check_delay - self.steps_in_phase, 0)
         return 0
 
     @property
@@ -107,8 +114,7 @@ class PhaseController:
         if self.retired:
             return False
         if self.phase is Phase.FULL:
-            past = self.steps_in_phase + 1 - self.full_required
-            return past >= 0 and past % cfg.confidence_interval == 0
+            return self.steps_in_phase + 1 >= self.full_required + self.check_delay
         if self.phase is Phase.CORRECT:
             return self.steps_in_phase + 1 >= cfg.correct_steps
         if self.phase is Phase.PREDICT:
@@ -128,6 +134,7 @@ class PhaseController:
     def _enter(self, phase: Phase) -> None:
         self.phase = phase
         self.steps_in_phase = 0
+        self.check_delay = self.check_misses = 0
 
     def end_step(self, confidence: float, predictor_ready: bool) -> Phase:
         """Account for the optimizer step just taken in `self.phase`; return the next step's phase."""
@@ -138,10 +145,18 @@ class PhaseController:
             if self.steps_in_phase >= cfg.warmup_steps:
                 self._enter(Phase.FULL)
         elif self.phase is Phase.FULL:
-            may_start = not self.retired and self.steps_in_phase >= self.full_required
-            if may_start and predictor_ready and self._confident(confidence):
+            if self.retired or self.steps_in_phase < self.full_required + self.check_delay:
+                return self.phase
+            if predictor_ready and self._confident(confidence):
                 self.consecutive_predicts = 0
                 self._start_predict(confidence)
+            else:
+                # Readiness arrives within steps; a low confidence changes slowly, so it is checked ever less often.
+                wait = 1
+                if predictor_ready:
+                    wait = cfg.confidence_interval * 2 ** min(self.check_misses, MAX_CHECK_DOUBLINGS)
+                    self.check_misses += 1
+                self.check_delay = self.steps_in_phase - self.full_required + wait
         elif self.phase is Phase.PREDICT:
             if self.steps_in_phase >= self.planned_predict_steps:
                 if cfg.correct_steps > 0:

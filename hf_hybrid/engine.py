@@ -341,6 +341,7 @@ class HybridEngine:
             "predict_steps": predict,
             "backward_reduction": predict / total if total else 0.0,
             "rollbacks": self.controller.rollbacks,
+            "retired": self.controller.retired,
             "divergences": self.monitor.divergences,
             "non_finite": self.monitor.non_finite,
             "skipped_steps": self.skipped_steps,

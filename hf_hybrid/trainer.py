@@ -108,6 +108,7 @@ class HybridMixin:
             "predict_steps": 0,
             "backward_reduction": 0.0,
             "rollbacks": 0,
+            "retired": False,
             "divergences": 0,
             "non_finite": 0,
             "skipped_steps": 0,

@@ -99,25 +99,33 @@ def test_repeated_rejections_retire_and_a_kept_jump_resets_the_count():
     assert not never.retired and Phase.PREDICT in run(never, 10, confidence=1.0)
 
 
-def test_confidence_is_read_every_interval_until_confident_and_at_each_correct_end():
+def test_confidence_is_read_ever_less_often_while_it_fails_and_at_each_correct_end():
     c = PhaseController(ControllerConfig(warmup_steps=2, full_steps=3, confidence_threshold=0.5, correct_steps=2,
                                          min_predict_steps=2, max_predict_steps=2, confidence_interval=4))
-    due = []
-    for _ in range(20):
+    due, countdown = [], []
+    for _ in range(40):
         due.append(c.confidence_due)
-        c.end_step(0.0, True)  # never confident: Full goes on
-    # Full starts at step 2 and has done its 3 required steps at the end of step 4; then every 4th step.
-    assert [i for i, d in enumerate(due) if d] == [4, 8, 12, 16]
-    assert c.confidence_due  # step 20
-    c.end_step(0.9, True)
+        countdown.append(c.steps_until_predict)
+        c.end_step(0.9 if not c.confidence_due else 0.0, True)  # confident only where nobody looks
+    # Full starts at step 2 and has done its 3 required steps at the end of step 4; then 4, 8, 16 steps later.
+    checks = [i for i, d in enumerate(due) if d]
+    assert checks == [4, 8, 16, 32] and c.phase is Phase.FULL
+    assert all(countdown[i] == next(j for j in checks if j >= i) - i + 1 for i in range(2, 33)), countdown
+    # Not ready at a check: readiness comes within steps, so the next step checks again.
+    c = PhaseController(ControllerConfig(warmup_steps=0, full_steps=2, confidence_interval=4, correct_steps=2,
+                                         min_predict_steps=2, max_predict_steps=2))
+    c.end_step(1.0, False)
+    assert c.confidence_due
+    c.end_step(1.0, False)
+    assert c.confidence_due and c.steps_until_predict == 1
+    c.end_step(1.0, True)
     assert c.phase is Phase.PREDICT
     phases, due = [], []
     for _ in range(4):
         phases.append(c.phase)
         due.append(c.confidence_due)
-        c.end_step(0.9, True)
-    assert phases == [Phase.PREDICT, Phase.PREDICT, Phase.CORRECT, Phase.CORRECT]
-    assert due == [False, False, False, True]
+        c.end_step(0.0, True)
+    assert phases == [Phase.PREDICT] * 2 + [Phase.CORRECT] * 2 and due == [False, False, False, True]
 
 
 @pytest.mark.parametrize("kwargs", [dict(full_steps=0), dict(warmup_steps=-1), dict(confidence_threshold=1.5),
