@@ -23,6 +23,7 @@ from .memory import OptimizerStateOffloader
 from .payoff import PayoffMeter
 from .predictors import PREDICTORS
 from .predictors.base import local_shard
+from .replay import BatchReplay, Unit
 
 
 class WeightSnapshot:
@@ -48,16 +49,23 @@ class WeightSnapshot:
                 self.tensors = [torch.empty(p.shape, dtype=p.dtype, pin_memory=True) for p in params]
             else:
                 self.tensors = [torch.empty_like(p) for p in params]
-        torch._foreach_copy_(self.tensors, params, non_blocking=to_host)
-        if to_host:
+        if to_host:  # per tensor: the multi-tensor copy is for lists on one device
+            for t, p in zip(self.tensors, params):
+                t.copy_(p, non_blocking=True)
             self._copied = torch.cuda.Event()
             self._copied.record()
+        else:
+            torch._foreach_copy_(self.tensors, params)
         self.valid = True
 
     @torch.no_grad()
     def restore(self, params: list[Tensor]) -> None:
         assert self.valid and self.tensors is not None, "no snapshot to restore"
-        torch._foreach_copy_(params, self.tensors, non_blocking=self._copied is not None)
+        if self._copied is not None:
+            for p, t in zip(params, self.tensors):
+                p.copy_(t, non_blocking=True)
+        else:
+            torch._foreach_copy_(params, self.tensors)
 
     def release(self) -> None:
         self.tensors, self.valid, self._copied = None, False, None
@@ -71,7 +79,9 @@ class WeightSnapshot:
     def load_state_dict(self, state: dict, params: list[Tensor]) -> None:
         self.valid = False
         if state["valid"]:
-            self.capture(params)
+            self.capture(params)  # allocates the buffers where this run keeps them
+            if self._copied is not None:
+                self._copied.synchronize()  # or the copy could land after the saved values below
             with torch.no_grad():
                 for s, saved in zip(self.tensors, state["tensors"]):
                     s.copy_(saved)
@@ -115,6 +125,7 @@ class HybridEngine:
         kwargs = {"beta": settings.hybrid_velocity_beta} if settings.hybrid_predictor == "velocity" else {}
         self.predictor = predictor_cls(params, optimizer, **kwargs)
         self.snapshot = WeightSnapshot(on_host=settings.hybrid_offload_snapshot)
+        self.replay = BatchReplay()
         self.offloader = OptimizerStateOffloader(optimizer) if settings.hybrid_offload_optimizer_state else None
         self._anchor: list[Tensor] | None = None  # parameters before a real optimizer step, while it runs
         # On an accelerator the anchor is freed after each step: the caching allocator hands the same blocks back,
@@ -149,6 +160,11 @@ class HybridEngine:
         self.payoff.begin_prediction()
         # Predicted step k checks the weights after k+1 deltas, about k+2 real steps after the last loss seen.
         self.band = self.dynamics.forecast(self.controller.planned_predict_steps + 1)
+
+    def next_batches(self, fresh: Unit) -> Unit:
+        """The batches for the next optimizer step: a rolled-back jump's come back first (see replay.py)."""
+        c = self.controller
+        return self.replay.hand_out(fresh, new_jump=c.phase is Phase.PREDICT and c.steps_in_phase == 0)
 
     @property
     def starts_prediction(self) -> bool:
@@ -232,6 +248,7 @@ class HybridEngine:
             self.snapshot.restore(self._shards())
             self.snapshot.valid = False
         self.payoff.cancel()
+        self.replay.give_back()
         self.probe = self.probe_loss = None
         self.controller.abort()
         self.record.rollback = True
@@ -251,7 +268,9 @@ class HybridEngine:
         if self.offloader is not None:
             self.offloader.wait()
         self._predicted = None
-        if not self._measures_update:
+        # A step vetoed under the fp16 GradScaler still reaches here (the scaler skips it later); it has no update to
+        # measure, and after a rollback that retired the predictor, nothing to measure it with.
+        if self.record.rollback or self.record.skipped or not self._measures_update:
             return
         if not self._measured_last:
             self.predictor.restart()
@@ -307,6 +326,7 @@ class HybridEngine:
             self.controller.phase_steps[record.phase.value] += 1
         if self.controller.phase is not Phase.PREDICT and self.controller.phase is not Phase.CORRECT:
             self.snapshot.valid = False
+            self.replay.settle()
         if self.offloader is not None and self.offloader.is_offloaded and self.controller.phase is not Phase.PREDICT:
             self.offloader.restore()  # asynchronous: overlaps the next step's forward and backward
         self._predicted = None
@@ -377,6 +397,7 @@ class HybridEngine:
             "dynamics": self.dynamics.state_dict(),
             "predictor": self.predictor.state_dict(),
             "snapshot": self.snapshot.state_dict(),
+            "replay": self.replay.state_dict(),
             "probe": {k: v.detach().cpu() for k, v in self.probe.items()} if self.probe is not None else None,
             "probe_loss": self.probe_loss,
             "skipped_steps": self.skipped_steps,
@@ -395,6 +416,8 @@ class HybridEngine:
         self.predictor.load_state_dict(state["predictor"])
         self.snapshot.load_state_dict(state["snapshot"], self._shards())
         device = self.params[0].device
+        if "replay" in state:  # absent from checkpoints written before replay existed
+            self.replay.load_state_dict(state["replay"], device)
         self.probe = {k: v.to(device) for k, v in state["probe"].items()} if state["probe"] is not None else None
         self.probe_loss = state["probe_loss"]
         self.skipped_steps = state["skipped_steps"]

@@ -1,6 +1,8 @@
 """`HybridHFTrainer`: the Hugging Face `Trainer` with hybrid predictive training.
 
 Thin glue. Each override below exists for one reason:
+- `get_batch_samples`: a rolled-back jump's batches were never trained on; they are handed out again
+  before fresh ones, so the run keeps the Trainer's data order (replay.py);
 - `training_step`: a Predict step must run no backward (only a no-grad forward to check the loss),
   and its predicted delta is applied at the first micro-batch of the optimizer step;
 - `_clip_grad_norm` / `_get_grad_norm`: the Trainer calls them on every optimizer step; on a step with
@@ -118,6 +120,10 @@ class HybridMixin:
 
     # ---- the step ---------------------------------------------------------------------------------
 
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        fresh = super().get_batch_samples(epoch_iterator, num_batches, device)
+        return self._hybrid.next_batches(fresh) if self._hybrid is not None else fresh
+
     def training_step(self, model, inputs, num_items_in_batch=None):
         engine = self._hybrid
         if engine is None:
@@ -154,7 +160,10 @@ class HybridMixin:
             return self._hybrid_last_loss
         model.train()
         inputs = self._prepare_inputs(inputs)
-        with torch.no_grad(), self.compute_loss_context_manager():
+        # A forked RNG: the check's dropout masks must not shift the real steps' ones, or a rolled-back jump
+        # would leave a trace in the training that follows.
+        devices = [self.args.device] if self.args.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices), torch.no_grad(), self.compute_loss_context_manager():
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
         scaled = getattr(self, "loss_is_scaled_for_ga", None)  # absent from older transformers (5.17)
         if scaled is None:  # the same rule as Trainer.training_step

@@ -17,7 +17,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from hf_hybrid import HybridHFTrainer, Phase
 
 from .conftest import hybrid_args, make_trainer, tiny_gpt2, token_dataset
-from .test_equivalence_resume import assert_bit_identical, state
+from .test_equivalence_resume import assert_bit_identical, check_resume_mid_predict, state
 from .test_memory_growth import CycleMemory, OffloadProbe
 from .test_predict import StepRecorder, kept_predicted_steps, train_recorded
 from .test_safety import nan_model, sabotage_fifth_predicted_step
@@ -160,6 +160,10 @@ def test_snapshot_on_host_rolls_back_exactly(tmp_out, monkeypatch):
     assert torch.equal(rows[rolled[0]]["params"], rows[start - 1]["params"])
     snapshot = trainer._hybrid.snapshot.tensors
     assert all(t.device.type == "cpu" and t.is_pinned() for t in snapshot)
+
+
+def test_resume_mid_predict_with_the_snapshot_on_host_is_bit_identical(tmp_path):
+    check_resume_mid_predict(tmp_path, hybrid_offload_snapshot=True, full_determinism=True, **ON_GPU)
 
 
 @pytest.mark.parametrize("predictor, extra_buffers", [("adam", 0), ("velocity", 1)])

@@ -45,7 +45,11 @@ def test_hybrid_false_is_the_plain_trainer(tmp_path):
 
 
 def test_resume_mid_predict_is_bit_identical(tmp_path):
-    settings = dict(max_steps=30, save_strategy="steps", save_steps=1, hybrid_payoff_check=True)
+    check_resume_mid_predict(tmp_path)
+
+
+def check_resume_mid_predict(tmp_path, **extra) -> None:
+    settings = dict(max_steps=30, save_strategy="steps", save_steps=1, hybrid_payoff_check=True, **extra)
     full_run = make_trainer(tmp_path / "full", **settings)
     full_run.train()
     trace = [json.loads(line) for line in (tmp_path / "full" / "hybrid_trace.jsonl").read_text().splitlines()]

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import torch
+from transformers import TrainerCallback
 
 from hf_hybrid import Phase
+from hf_hybrid.engine import StepRecord
 from hf_hybrid.predictors import VelocityPredictor
 
 from .conftest import flat_params, make_trainer, tiny_gpt2
-from .test_predict import train_recorded
+from .test_predict import StepRecorder, train_recorded
 
 
 def sabotage_fifth_predicted_step(monkeypatch) -> None:
@@ -146,23 +148,49 @@ def test_training_that_ends_mid_jump_undoes_the_unjudged_delta(tmp_path):
     assert torch.equal(flat_params(model), rows[start - 1]["params"])
 
 
-def test_rejected_jumps_leave_no_trace(tmp_path, monkeypatch):
-    """With every jump rejected, a real predictor and a no-op one must end bit-identical: nothing leaks past
-    a rollback (weights, optimizer state, data order, RNG)."""
+class WeightsPerStep(TrainerCallback):
+    def __init__(self) -> None:
+        self.params = []
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        self.params.append(flat_params(model))
+
+
+def dropout_gpt2() -> torch.nn.Module:
+    model = tiny_gpt2()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.1
+    return model
+
+
+def test_after_rejected_jumps_training_is_the_trainers_bit_for_bit(tmp_path, monkeypatch):
+    """With every jump rejected, the hybrid's n-th real step ends at the plain Trainer's n-th step's weights, bit
+    for bit, under dropout: nothing leaks past a rollback (weights, optimizer state, dropout RNG), and the rolled-back
+    jump's batches are trained on next, in the Trainer's order. The learning rate is constant because the schedule
+    counts every optimizer step, predicted ones included (it must reach its end at max_steps)."""
     from hf_hybrid.payoff import PayoffMeter
+
+    plain = WeightsPerStep()
+    settings = dict(max_steps=60, lr_scheduler_type="constant")
+    reference = make_trainer(tmp_path / "plain", model=dropout_gpt2(), hybrid=False, **settings)
+    reference.add_callback(plain)
+    reference.train()
 
     original_verdict = PayoffMeter.verdict
     monkeypatch.setattr(PayoffMeter, "verdict", lambda self, gain: original_verdict(self, float("-inf")))
-    settings = dict(hybrid_payoff_check=True, max_steps=40, lr_scheduler_type="constant")
-    real_model = tiny_gpt2()
-    real = make_trainer(tmp_path / "real", model=real_model, **settings)
-    real.train()
-    assert real.hybrid_stats()["predictions_judged"] >= 2 and real.hybrid_stats()["predictions_kept"] == 0
-
-    monkeypatch.setattr(VelocityPredictor, "apply_", lambda self, lr: None)
-    noop_model = tiny_gpt2()
-    make_trainer(tmp_path / "noop", model=noop_model, **settings).train()
-    assert torch.equal(flat_params(real_model), flat_params(noop_model))
+    recorder = StepRecorder()
+    trainer = make_trainer(tmp_path / "hybrid", model=dropout_gpt2(), hybrid_payoff_check=True, hybrid_max_rejections=0,
+                           **settings)
+    trainer.add_callback(recorder)
+    recorder.trainer = trainer
+    trainer.train()
+    stats = trainer.hybrid_stats()
+    assert stats["predictions_judged"] >= 3 and stats["predictions_kept"] == 0
+    real = [r["params"] for r in recorder.rows if r["phase"] is not Phase.PREDICT]
+    assert len(real) == stats["backward_steps"] and len(real) < 60
+    for n, params in enumerate(real):
+        assert torch.equal(params, plain.params[n]), f"real step {n + 1} differs from the Trainer's"
 
 
 def test_without_payoff_check_survived_jumps_undo_the_back_off(tmp_out, monkeypatch):
@@ -194,6 +222,11 @@ def test_repeated_rejections_retire_prediction_and_give_back_its_buffers(tmp_pat
     trainer._hybrid_pending_state = engine.state_dict()
     resumed = trainer._build_engine()
     assert resumed.controller.retired and resumed.predictor.velocity == []
+    # A first Correct step vetoed by a NaN under the fp16 GradScaler still calls the pre-step hook: it must not
+    # reach for the freed buffers.
+    engine.record = StepRecord(step=0, phase=Phase.CORRECT, rollback=True)
+    engine.before_optimizer_step(1e-3)
+    assert engine._anchor is None and engine._predicted is None
 
     trainer, rows = train_recorded(tmp_path / "never", hybrid_payoff_check=True, max_steps=120,
                                    hybrid_max_rejections=0)

@@ -1,0 +1,72 @@
+"""Batch replay: a rolled-back jump gives its batches back to the data stream.
+
+The batches of a Predict phase (and of the Correct steps after it) are not trained on while the jump is
+open: predicted steps run no backward, and a rollback undoes the Correct steps too. Without replay they
+would simply be skipped, so after a rejected jump the run would see a different data order from the
+Trainer's and land at a different point for reasons that have nothing to do with prediction.
+
+With replay, the next real steps train on those batches first, in their original order. Each fresh
+batch waits in a queue behind them, so the n-th real step trains on the Trainer's n-th batch. A run
+whose every jump is rejected then follows the Trainer's trajectory bit for bit, in real steps, and
+differs only in the time the attempts cost.
+
+A unit is what `Trainer.get_batch_samples` returns for one optimizer step: the micro-batches and their
+item count. A unit is only swapped for one with as many micro-batches (the last step of an epoch may be
+short). Batches live on the device; at most `max_units` wait, and beyond that the newest are dropped,
+which skips them as if there were no replay.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+Unit = tuple[list, torch.Tensor | int | None]
+
+
+class BatchReplay:
+    def __init__(self, max_units: int = 256) -> None:
+        self.max_units = max_units
+        self.queue: deque[Unit] = deque()
+        self.open: list[Unit] | None = None  # units handed out since the open jump's snapshot
+
+    def hand_out(self, fresh: Unit, new_jump: bool) -> Unit:
+        """The unit for the next optimizer step; `new_jump` when that step starts a Predict phase."""
+        unit = fresh
+        if self.queue and len(fresh[0]) == len(self.queue[0][0]):
+            self.queue.append(fresh)
+            unit = self.queue.popleft()
+        if new_jump:
+            self.open = []
+        if self.open is not None:
+            self.open.append(unit)
+        return unit
+
+    def give_back(self) -> None:
+        """The open jump was rolled back: its units go first, in order."""
+        if self.open:
+            self.queue.extendleft(reversed(self.open))
+            while len(self.queue) > self.max_units:
+                self.queue.pop()
+        self.open = None
+
+    def settle(self) -> None:
+        """The open jump was kept: its units were used."""
+        self.open = None
+
+    def state_dict(self) -> dict:
+        return {
+            "queue": [_move(unit, "cpu") for unit in self.queue],
+            "open": [_move(unit, "cpu") for unit in self.open] if self.open is not None else None,
+        }
+
+    def load_state_dict(self, state: dict, device: torch.device) -> None:
+        self.queue = deque(_move(unit, device) for unit in state["queue"])
+        self.open = [_move(unit, device) for unit in state["open"]] if state["open"] is not None else None
+
+
+def _move(unit: Unit, device) -> Unit:
+    batches, num_items = unit
+    moved = [{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()} for batch in batches]
+    return moved, num_items.to(device) if isinstance(num_items, torch.Tensor) else num_items

@@ -1,0 +1,53 @@
+"""Batch replay on its own: order, short units at an epoch's end, the cap, checkpoints."""
+
+from __future__ import annotations
+
+import torch
+
+from hf_hybrid.replay import BatchReplay
+
+
+def unit(n: int, micro: int = 2):
+    return [{"input_ids": torch.full((1, 3), n * 10 + i)} for i in range(micro)], torch.tensor(micro * 3)
+
+
+def first_id(u) -> int:
+    return int(u[0][0]["input_ids"][0, 0]) // 10
+
+
+def test_a_rolled_back_jump_hands_its_units_out_again_in_order():
+    replay = BatchReplay()
+    handed = [first_id(replay.hand_out(unit(0), new_jump=False))]
+    handed += [first_id(replay.hand_out(unit(n), new_jump=n == 1)) for n in (1, 2, 3)]  # a 3-step jump
+    replay.give_back()
+    handed += [first_id(replay.hand_out(unit(n), new_jump=False)) for n in range(4, 10)]
+    # Real steps see 1, 2, 3 again, then 4, 5, 6: the Trainer's order, three steps late.
+    assert handed == [0, 1, 2, 3, 1, 2, 3, 4, 5, 6]
+    assert [first_id(u) for u in replay.queue] == [7, 8, 9]
+
+
+def test_a_kept_jump_is_not_replayed_and_a_short_unit_passes_straight_through():
+    replay = BatchReplay()
+    replay.hand_out(unit(1), new_jump=True)
+    replay.settle()
+    replay.give_back()  # nothing open any more
+    assert not replay.queue
+    replay.hand_out(unit(2), new_jump=True)
+    replay.give_back()
+    short = unit(3, micro=1)  # the last step of an epoch
+    assert replay.hand_out(short, new_jump=False) is short
+    assert [first_id(u) for u in replay.queue] == [2]
+
+
+def test_the_queue_is_capped_and_survives_a_checkpoint():
+    replay = BatchReplay(max_units=2)
+    for n in range(3):
+        replay.hand_out(unit(n), new_jump=n == 0)
+    replay.give_back()
+    assert [first_id(u) for u in replay.queue] == [0, 1]
+    replay.hand_out(unit(5), new_jump=True)
+    restored = BatchReplay(max_units=2)
+    restored.load_state_dict(replay.state_dict(), torch.device("cpu"))
+    assert [first_id(u) for u in restored.queue] == [first_id(u) for u in replay.queue]
+    assert [first_id(u) for u in restored.open] == [first_id(u) for u in replay.open]
+    assert torch.equal(restored.queue[0][1], replay.queue[0][1])
