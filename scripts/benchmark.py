@@ -8,7 +8,8 @@
 Both arms share the model init, data order, seed and settings. Each arm runs in its own process (clean
 timing and peak memory), arms alternate, and `--repeats` pairs are run; medians are reported. The
 target is the baseline's final eval loss; the hybrid may run up to `--hybrid_budget` times the
-baseline's steps to reach it. Training time excludes evaluation. Writes JSON and a PNG to --output_dir.
+baseline's steps to reach it. Training time excludes evaluation. Both arms are evaluated every `eval_steps`
+applied updates (for the hybrid, predicted steps do not count). Writes JSON and a PNG to --output_dir.
 """
 
 from __future__ import annotations
@@ -187,15 +188,31 @@ def run_arm(arm: str, preset: dict, out_dir: Path, seed: int, hybrid_overrides: 
                 torch.cuda.synchronize()
             result.timing["optimizer"] = result.timing.get("optimizer", 0.0) + time.perf_counter() - self.t
 
+    class RealStepEval(TrainerCallback):
+        """Evaluates the hybrid after every `eval_steps` applied updates rather than optimizer steps, so both arms are
+        looked at after the same number of gradient updates. Once predicted steps shift the step count, evaluating
+        on global steps would compare different iterates, and iterates a few steps apart differ in held-out loss
+        by more than a jump gains."""
+
+        updates = 0
+
+        def on_step_end(self, args, state, control, **kwargs):
+            record = trainer._hybrid.last_record if trainer._hybrid is not None else None  # None: --set hybrid=false
+            if record is None or (record.phase.has_backward and not (record.rollback or record.skipped)):
+                self.updates += 1
+                control.should_evaluate = self.updates % preset["eval_steps"] == 0
+
     if hybrid:
         time_hybrid_hooks(result, cuda)
         trainer_cls = type("TimedHybrid", (Timed, HybridHFTrainer), {})
-        args = HybridTrainingArguments(**common, **{**preset["hybrid"], **hybrid_overrides})
+        args = HybridTrainingArguments(**{**common, "eval_strategy": "no"}, **{**preset["hybrid"], **hybrid_overrides})
     else:
         trainer_cls = type("TimedTrainer", (Timed, Trainer), {})
         args = TrainingArguments(**common)
     trainer = trainer_cls(model=model, args=args, train_dataset=datasets["train"], eval_dataset=eval_set)
     # Added after construction so they run after the hybrid's own hooks: its per-step work is timed too.
+    if hybrid:
+        trainer.add_callback(RealStepEval())
     trainer.add_callback(Clock())
     trainer.add_callback(OptimizerClock())
     if cuda:
