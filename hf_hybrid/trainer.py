@@ -162,8 +162,7 @@ class HybridMixin:
         inputs = self._prepare_inputs(inputs)
         # A forked RNG: the check's dropout masks must not shift the real steps' ones, or a rolled-back jump
         # would leave a trace in the training that follows.
-        devices = [self.args.device] if self.args.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices), torch.no_grad(), self.compute_loss_context_manager():
+        with self._forked_rng(), torch.no_grad(), self.compute_loss_context_manager():
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
         scaled = getattr(self, "loss_is_scaled_for_ga", None)  # absent from older transformers (5.17)
         if scaled is None:  # the same rule as Trainer.training_step
@@ -179,10 +178,13 @@ class HybridMixin:
         """Mean loss of the probe batch at the current weights, with the same dropout masks every time (a fixed
         seed in a forked RNG, which leaves the training RNG untouched), so before and after are truly paired."""
         model.train()
-        devices = [self.args.device] if self.args.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices), torch.no_grad(), self.compute_loss_context_manager():
+        with self._forked_rng(), torch.no_grad(), self.compute_loss_context_manager():
             torch.manual_seed(self.args.seed)
             return self.compute_loss(model, probe).detach()
+
+    def _forked_rng(self):
+        devices = [self.args.device] if self.args.device.type == "cuda" else []
+        return torch.random.fork_rng(devices=devices)
 
     def _clip_grad_norm(self, model):
         if self._hybrid_step_has_no_backward():
