@@ -96,6 +96,7 @@ class StepRecord:
     loss: float | None = None
     rollback: bool = False
     skipped: bool = False
+    undone_steps: int = 0  # optimizer steps, this one included, that its rollback undid
 
 
 class HybridEngine:
@@ -141,6 +142,11 @@ class HybridEngine:
         self.probe_loss: float | None = None  # its loss before the phase's first delta
         self.record: StepRecord | None = None  # the optimizer step under way
         self.last_record: StepRecord | None = None
+        self.jump_start_step: int | None = None  # the global step at which the open jump began
+        # The trainer's learning-rate schedule as it was when the open jump began (opaque here): a rollback hands it
+        # back, so the rolled-back steps do not advance the schedule.
+        self.schedule_at_jump: dict | None = None
+        self.undone_steps = 0  # optimizer steps undone by rollbacks so far; the trainer adds them to max_steps
 
     # ---- one optimizer step -------------------------------------------------------------------
 
@@ -157,6 +163,7 @@ class HybridEngine:
         if self.offloader is not None:
             self.offloader.offload()
         self.snapshot.capture(self._shards())
+        self.jump_start_step = step
         self.payoff.begin_prediction()
         # Predicted step k checks the weights after k+1 deltas, about k+2 real steps after the last loss seen.
         self.band = self.dynamics.forecast(self.controller.planned_predict_steps + 1)
@@ -252,6 +259,10 @@ class HybridEngine:
         self.probe = self.probe_loss = None
         self.controller.abort()
         self.record.rollback = True
+        if self.jump_start_step is not None:
+            self.record.undone_steps = self.record.step - self.jump_start_step + 1
+            self.undone_steps += self.record.undone_steps
+            self.jump_start_step = None
         if self.controller.retired:
             self._release()
 
@@ -327,6 +338,7 @@ class HybridEngine:
         if self.controller.phase is not Phase.PREDICT and self.controller.phase is not Phase.CORRECT:
             self.snapshot.valid = False
             self.replay.settle()
+            self.jump_start_step = self.schedule_at_jump = None
         if self.offloader is not None and self.offloader.is_offloaded and self.controller.phase is not Phase.PREDICT:
             self.offloader.restore()  # asynchronous: overlaps the next step's forward and backward
         self._predicted = None
@@ -365,6 +377,7 @@ class HybridEngine:
             "divergences": self.monitor.divergences,
             "non_finite": self.monitor.non_finite,
             "skipped_steps": self.skipped_steps,
+            "undone_steps": self.undone_steps,
             "predictions_judged": self.payoff.verdicts,
             "predictions_kept": self.payoff.paid,
         }
@@ -401,6 +414,9 @@ class HybridEngine:
             "probe": {k: v.detach().cpu() for k, v in self.probe.items()} if self.probe is not None else None,
             "probe_loss": self.probe_loss,
             "skipped_steps": self.skipped_steps,
+            "jump_start_step": self.jump_start_step,
+            "schedule_at_jump": self.schedule_at_jump,
+            "undone_steps": self.undone_steps,
             "measured_last": self._measured_last,
             "confidence": self.confidence,
             "band": self.band,
@@ -421,6 +437,10 @@ class HybridEngine:
         self.probe = {k: v.to(device) for k, v in state["probe"].items()} if state["probe"] is not None else None
         self.probe_loss = state["probe_loss"]
         self.skipped_steps = state["skipped_steps"]
+        # Absent from checkpoints written before rolled-back steps were made up.
+        self.jump_start_step = state.get("jump_start_step")
+        self.schedule_at_jump = state.get("schedule_at_jump")
+        self.undone_steps = state.get("undone_steps", 0)
         self._measured_last = state["measured_last"]
         self.confidence = state["confidence"]
         self.band = tuple(state["band"])

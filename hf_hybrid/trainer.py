@@ -17,6 +17,7 @@ The optimizer step itself is vetoed through accelerate's public `sync_gradients`
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import time
@@ -24,6 +25,7 @@ import time
 import torch
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import ProgressCallback
+from transformers.utils import logging
 
 from .config import hybrid_settings
 from .controller import Phase
@@ -32,6 +34,8 @@ from .memory import EmergencyCheckpointCallback, VramMonitor
 
 HYBRID_STATE_NAME = "hybrid_state_rank{rank}.pt"
 TRACE_NAME = "hybrid_trace.jsonl"
+
+logger = logging.get_logger(__name__)
 
 
 class _HybridStepHooks(TrainerCallback):
@@ -53,7 +57,7 @@ class _HybridStepHooks(TrainerCallback):
         self.trainer._hybrid_end_step()
 
     def on_train_end(self, args, state, control, **kwargs):
-        self.trainer._hybrid_train_end()
+        self.trainer._hybrid_train_end(stopped=control.should_training_stop)
 
 
 class HybridMixin:
@@ -72,7 +76,8 @@ class HybridMixin:
         if not self.hybrid_settings.hybrid:
             return
         self._check_launch_mode()
-        self.add_callback(_HybridStepHooks(self))
+        # First in line: a rollback extends max_steps at the step's end, before DefaultFlowCallback decides to stop.
+        self.callback_handler.callbacks.insert(0, _HybridStepHooks(self))
         # Registered on every rank alike (it all-reduces): not on this rank's NVML reading, which may fail alone.
         if self.hybrid_settings.hybrid_vram_min_free_mb > 0 and torch.cuda.is_available():
             self.add_callback(EmergencyCheckpointCallback(self._vram, self.hybrid_settings.hybrid_vram_min_free_mb))
@@ -90,9 +95,7 @@ class HybridMixin:
         # `accelerate launch` with an FSDP config sets ACCELERATE_USE_FSDP rather than --fsdp; on CPU it then runs DDP.
         fsdp_requested = bool(self.args.fsdp) or os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true")
         if fsdp_requested and not self.is_fsdp_enabled:
-            from transformers.utils import logging
-
-            logging.get_logger(__name__).warning(
+            logger.warning(
                 "FSDP was requested but accelerate is not running FSDP (on CPU it falls back to DDP); "
                 "hf_hybrid will treat parameters as full, replicated tensors."
             )
@@ -114,6 +117,7 @@ class HybridMixin:
             "divergences": 0,
             "non_finite": 0,
             "skipped_steps": 0,
+            "undone_steps": 0,
             "predictions_judged": 0,
             "predictions_kept": 0,
         }
@@ -131,6 +135,8 @@ class HybridMixin:
         first_micro_batch = engine.record is None
         if first_micro_batch:
             engine.begin_step(self.state.global_step)
+            if engine.starts_prediction:
+                engine.schedule_at_jump = self._hybrid_schedule_state()
             self._hybrid_window_loss = torch.zeros((), device=self.args.device)
         if engine.phase is not Phase.PREDICT:
             loss = super().training_step(model, inputs, num_items_in_batch)
@@ -234,6 +240,8 @@ class HybridMixin:
         if engine is None or engine.record is None:
             return
         record = engine.record
+        if record.rollback:
+            self._hybrid_make_up(record.undone_steps, engine.schedule_at_jump)
         next_phase = engine.end_step()
         if self._hybrid_trace is not None:
             self._hybrid_trace.write(
@@ -253,6 +261,28 @@ class HybridMixin:
         for callback in self.callback_handler.callbacks:
             if isinstance(callback, ProgressCallback) and callback.training_bar is not None:
                 callback.training_bar.set_postfix(phase=next_phase.value, refresh=False)
+
+    def _hybrid_make_up(self, steps: int, schedule: dict | None) -> None:
+        """A rollback undid `steps` optimizer steps: they are trained again (their batches are replayed), so they
+        must not count. The schedule goes back to where the jump began and the run gets `steps` more, so that with
+        every jump rejected it ends where the Trainer's run ends, at the same learning rate."""
+        if schedule is not None:
+            self.lr_scheduler.load_state_dict(schedule["scheduler"])
+            for group, saved in zip(self.optimizer.param_groups, schedule["groups"]):
+                group.update(copy.deepcopy(saved))
+        self._hybrid_extend_max_steps(steps)
+
+    def _hybrid_extend_max_steps(self, steps: int) -> None:
+        self.state.max_steps += steps
+        for callback in self.callback_handler.callbacks:
+            if isinstance(callback, ProgressCallback) and callback.training_bar is not None:
+                callback.training_bar.total = self.state.max_steps
+
+    def _hybrid_schedule_state(self) -> dict:
+        """What a rollback needs to rewind the schedule: the scheduler's state and the optimizer's hyperparameters,
+        which the scheduler writes (the learning rate the next step will use is already in the param groups)."""
+        groups = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
+        return {"scheduler": copy.deepcopy(self.lr_scheduler.state_dict()), "groups": copy.deepcopy(groups)}
 
     # ---- helpers ----------------------------------------------------------------------------------
 
@@ -283,6 +313,8 @@ class HybridMixin:
         # The model and optimizer are prepared by now; each train() call builds the engine anew, before any file
         # is touched, so a setup error (no trainable parameter, an optimizer the predictor can't read) leaves none.
         self._hybrid = self._build_engine()
+        # A resumed run: the Trainer set max_steps from the arguments again.
+        self._hybrid_extend_max_steps(self._hybrid.undone_steps)
         self._hybrid_t0 = time.perf_counter()
         if not (self.hybrid_settings.hybrid_trace and self.is_world_process_zero()):
             return
@@ -299,9 +331,19 @@ class HybridMixin:
             f.writelines(kept)
         self._hybrid_trace = open(path, "a", buffering=1)
 
-    def _hybrid_train_end(self) -> None:
-        if self._hybrid is not None:
-            self._hybrid.finish()
+    def _hybrid_train_end(self, stopped: bool) -> None:
+        engine = self._hybrid
+        if engine is not None:
+            engine.finish()
+            missing = self.state.max_steps - self.state.global_step
+            # Not stopped at max_steps or by a callback: the epochs ran out before the steps made up were.
+            if not stopped and missing > 0 and engine.undone_steps > 0:
+                logger.warning(
+                    f"The last epoch ended {missing} optimizer steps short of max_steps ({self.state.max_steps}), "
+                    f"which rolled-back jumps had extended by {engine.undone_steps}: this run made {missing} fewer "
+                    "real updates than the Trainer would have. Set max_steps below the data's last epoch to leave "
+                    "room for them."
+                )
         if self._hybrid_trace is not None:
             self._hybrid_trace.close()
             self._hybrid_trace = None

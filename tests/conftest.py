@@ -77,6 +77,14 @@ def make_trainer(output_dir, model=None, dataset=None, **overrides) -> HybridHFT
     )
 
 
+def reject_every_jump(monkeypatch) -> None:
+    """Every probe verdict sees an infinitely bad jump: each Predict phase ends in a rollback."""
+    from hf_hybrid.payoff import PayoffMeter
+
+    original_verdict = PayoffMeter.verdict
+    monkeypatch.setattr(PayoffMeter, "verdict", lambda self, gain: original_verdict(self, float("-inf")))
+
+
 def flat_params(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
 

@@ -9,7 +9,7 @@ from transformers import Trainer, TrainingArguments
 
 from hf_hybrid import HybridHFTrainer
 
-from .conftest import hybrid_args, make_trainer, tiny_gpt2, token_dataset
+from .conftest import hybrid_args, make_trainer, reject_every_jump, tiny_gpt2, token_dataset
 
 
 def state(model) -> dict:
@@ -48,7 +48,29 @@ def test_resume_mid_predict_is_bit_identical(tmp_path):
     check_resume_mid_predict(tmp_path)
 
 
-def check_resume_mid_predict(tmp_path, **extra) -> None:
+def test_resume_mid_predict_then_rollback_is_bit_identical(tmp_path, monkeypatch):
+    """A checkpoint inside a jump that is then rejected: the resumed run rewinds the learning-rate schedule the
+    checkpoint kept for it, and makes up the same steps."""
+    reject_every_jump(monkeypatch)
+    full_run, resumed = check_resume_mid_predict(tmp_path)
+    undone = full_run.hybrid_stats()["undone_steps"]
+    assert undone > 0
+    assert resumed.state.global_step == full_run.state.global_step == 30 + undone
+
+    # Resumed after a rollback: the Trainer sets max_steps from the arguments again, and the steps made up so far
+    # must be added back.
+    trace = [json.loads(line) for line in (tmp_path / "full" / "hybrid_trace.jsonl").read_text().splitlines()]
+    after = next(r["step"] for r in trace if r["rollback"]) + 1
+    resumed_model = tiny_gpt2(seed=123)
+    settings = dict(max_steps=30, save_strategy="steps", save_steps=1, hybrid_payoff_check=True)
+    resumed = HybridHFTrainer(model=resumed_model, args=hybrid_args(tmp_path / "after", **settings),
+                              train_dataset=token_dataset())
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / f"checkpoint-{after}"))
+    assert resumed.state.global_step == full_run.state.global_step
+    assert_bit_identical(state(full_run.model), state(resumed_model))
+
+
+def check_resume_mid_predict(tmp_path, **extra) -> tuple[HybridHFTrainer, HybridHFTrainer]:
     settings = dict(max_steps=30, save_strategy="steps", save_steps=1, hybrid_payoff_check=True, **extra)
     full_run = make_trainer(tmp_path / "full", **settings)
     full_run.train()
@@ -65,3 +87,4 @@ def check_resume_mid_predict(tmp_path, **extra) -> None:
     resumed.train(resume_from_checkpoint=str(checkpoint))
     assert_bit_identical(state(full_run.model), state(resumed_model))
     assert resumed.hybrid_stats() == full_run.hybrid_stats()
+    return full_run, resumed

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import TrainerCallback
 
@@ -9,7 +10,7 @@ from hf_hybrid import Phase
 from hf_hybrid.engine import StepRecord
 from hf_hybrid.predictors import VelocityPredictor
 
-from .conftest import flat_params, make_trainer, tiny_gpt2
+from .conftest import flat_params, make_trainer, reject_every_jump, tiny_gpt2, token_dataset
 from .test_predict import StepRecorder, train_recorded
 
 
@@ -164,33 +165,51 @@ def dropout_gpt2() -> torch.nn.Module:
     return model
 
 
-def test_after_rejected_jumps_training_is_the_trainers_bit_for_bit(tmp_path, monkeypatch):
+@pytest.mark.parametrize("model, examples", [(dropout_gpt2, 1024), (tiny_gpt2, 512)], ids=["dropout", "two-epochs"])
+def test_after_rejected_jumps_training_is_the_trainers_bit_for_bit(tmp_path, monkeypatch, model, examples):
     """With every jump rejected, the hybrid's n-th real step ends at the plain Trainer's n-th step's weights, bit
-    for bit, under dropout: nothing leaks past a rollback (weights, optimizer state, dropout RNG), and the rolled-back
-    jump's batches are trained on next, in the Trainer's order. The learning rate is constant because the schedule
-    counts every optimizer step, predicted ones included (it must reach its end at max_steps)."""
-    from hf_hybrid.payoff import PayoffMeter
+    for bit, under a decaying learning rate: nothing leaks past a rollback (weights, optimizer state, dropout RNG,
+    schedule), the rolled-back jump's batches are trained on next, in the Trainer's order, and the steps it undid
+    are added to max_steps, so the run ends at the Trainer's final weights.
 
+    The run with dropout stays in one epoch (128 batches): each epoch's DataLoader iterator draws its seed from the
+    global RNG, which on CPU is also the dropout RNG, and the hybrid reaches an epoch's end at an earlier real step.
+    Past that point its dropout masks differ from the Trainer's (on CUDA the dropout RNG is another generator). The
+    run without dropout crosses into a second epoch (64 batches each), with replayed batches still queued."""
     plain = WeightsPerStep()
-    settings = dict(max_steps=60, lr_scheduler_type="constant")
-    reference = make_trainer(tmp_path / "plain", model=dropout_gpt2(), hybrid=False, **settings)
+    settings = dict(max_steps=100, lr_scheduler_type="linear")  # room for 28 more steps in the last epoch
+    reference = make_trainer(tmp_path / "plain", model=model(), dataset=token_dataset(examples), hybrid=False,
+                             **settings)
     reference.add_callback(plain)
     reference.train()
 
-    original_verdict = PayoffMeter.verdict
-    monkeypatch.setattr(PayoffMeter, "verdict", lambda self, gain: original_verdict(self, float("-inf")))
+    reject_every_jump(monkeypatch)
     recorder = StepRecorder()
-    trainer = make_trainer(tmp_path / "hybrid", model=dropout_gpt2(), hybrid_payoff_check=True, hybrid_max_rejections=0,
-                           **settings)
+    trainer = make_trainer(tmp_path / "hybrid", model=model(), dataset=token_dataset(examples),
+                           hybrid_payoff_check=True, hybrid_max_rejections=3, **settings)
     trainer.add_callback(recorder)
     recorder.trainer = trainer
     trainer.train()
     stats = trainer.hybrid_stats()
-    assert stats["predictions_judged"] >= 3 and stats["predictions_kept"] == 0
+    assert stats["predictions_judged"] == 3 and stats["predictions_kept"] == 0
+    assert stats["undone_steps"] == stats["predict_steps"] > 0
+    assert trainer.state.global_step == 100 + stats["undone_steps"]
     real = [r["params"] for r in recorder.rows if r["phase"] is not Phase.PREDICT]
-    assert len(real) == stats["backward_steps"] and len(real) < 60
+    assert len(real) == stats["backward_steps"] == 100
     for n, params in enumerate(real):
         assert torch.equal(params, plain.params[n]), f"real step {n + 1} differs from the Trainer's"
+
+
+def test_steps_that_cannot_be_made_up_are_reported(tmp_path, monkeypatch, caplog):
+    """An epoch-based run has no room after its last epoch: the undone steps are named in a warning."""
+    reject_every_jump(monkeypatch)
+    trainer = make_trainer(tmp_path, hybrid_payoff_check=True, max_steps=-1, num_train_epochs=1)
+    with caplog.at_level("WARNING", logger="hf_hybrid.trainer"):
+        trainer.train()
+    undone = trainer.hybrid_stats()["undone_steps"]
+    assert undone > 0 and trainer.state.global_step == 64
+    assert trainer.hybrid_stats()["backward_steps"] == 64 - undone
+    assert f"{undone} fewer real updates than the Trainer" in caplog.text
 
 
 def test_without_payoff_check_survived_jumps_undo_the_back_off(tmp_out, monkeypatch):
@@ -205,10 +224,7 @@ def test_without_payoff_check_survived_jumps_undo_the_back_off(tmp_out, monkeypa
 def test_repeated_rejections_retire_prediction_and_give_back_its_buffers(tmp_path, monkeypatch):
     """Three rejected jumps in a row: no Predict step after the third, no more loss-forecast work, the velocity
     and snapshot buffers freed, and a resumed engine stays retired."""
-    from hf_hybrid.payoff import PayoffMeter
-
-    original_verdict = PayoffMeter.verdict
-    monkeypatch.setattr(PayoffMeter, "verdict", lambda self, gain: original_verdict(self, float("-inf")))
+    reject_every_jump(monkeypatch)
     trainer, rows = train_recorded(tmp_path, hybrid_payoff_check=True, max_steps=120, hybrid_max_rejections=3)
     rollbacks = [i for i, r in enumerate(rows) if r["rollback"]]
     assert len(rollbacks) == 3
