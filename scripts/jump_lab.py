@@ -118,8 +118,8 @@ def record(args) -> None:
     for i in range(n_snap):
         vector_to_parameters(snaps[i], model.parameters())
         curve.append(held_out_loss(model, held_out))
-    torch.save({"seed": args.seed, "every": args.every, "snaps": snaps, "curve": curve,
-                "optimizer_states": optimizer_states}, args.out)
+    torch.save({"seed": args.seed, "every": args.every, "batch_size": PRESET["batch_size"], "snaps": snaps,
+                "curve": curve, "optimizer_states": optimizer_states}, args.out)
     print(json.dumps({"curve": [round(c, 4) for c in curve]}))
 
 
@@ -280,6 +280,7 @@ def oracle(args) -> None:
 def train_on(args, traj, model, train, held_out) -> list[dict]:
     """From a jumped point with the optimizer state of that step, train on: is the gain kept?"""
     snaps, curve, every = traj["snaps"], traj["curve"], traj["every"]
+    PRESET["batch_size"] = traj.get("batch_size", PRESET["batch_size"])  # train on with the recorded batches
     order = batch_order(len(train), len(curve) * every, traj["seed"])
     rows = []
     for t, state in sorted(traj["optimizer_states"].items()):
@@ -350,6 +351,7 @@ def split(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=("cpu-small", "smoke"), default="cpu-small")
+    parser.add_argument("--batch_size", type=int, default=0, help="override the preset's (less gradient noise)")
     sub = parser.add_subparsers(dest="command", required=True)
     rec = sub.add_parser("record")
     rec.add_argument("--seed", type=int, default=0)
@@ -379,7 +381,9 @@ def main() -> None:
     spl.add_argument("--report", default="split_report.json")
     args = parser.parse_args()
     global PRESET
-    PRESET = PRESETS[args.preset]
+    PRESET = dict(PRESETS[args.preset])
+    if args.batch_size:
+        PRESET["batch_size"] = args.batch_size
     {"record": record, "nowcaster": nowcaster, "oracle": oracle, "split": split}[args.command](args)
 
 
