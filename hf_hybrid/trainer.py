@@ -44,8 +44,8 @@ class _HybridStepHooks(TrainerCallback):
     def __init__(self, trainer: HybridMixin) -> None:
         self.trainer = trainer
 
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.trainer._hybrid_train_begin()
+    def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
+        self.trainer._hybrid_train_begin(train_dataloader)
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         self.trainer._hybrid_before_optimizer_step()
@@ -57,7 +57,7 @@ class _HybridStepHooks(TrainerCallback):
         self.trainer._hybrid_end_step()
 
     def on_train_end(self, args, state, control, **kwargs):
-        self.trainer._hybrid_train_end(stopped=control.should_training_stop)
+        self.trainer._hybrid_train_end()
 
 
 class HybridMixin:
@@ -70,6 +70,7 @@ class HybridMixin:
         self._hybrid_pending_state: dict | None = None
         self._hybrid_trace = None
         self._hybrid_window_loss: torch.Tensor | None = None
+        self._hybrid_last_step: int | None = None  # the last step the Trainer's epochs can reach (None: no limit)
         self._hybrid_last_loss: torch.Tensor | None = None
         self._hybrid_t0 = time.perf_counter()
         self._vram = VramMonitor() if self.hybrid_settings.hybrid else None
@@ -152,7 +153,9 @@ class HybridMixin:
         if self.accelerator.sync_gradients:  # the last micro-batch of this optimizer step
             monitored_loss = self._hybrid_reduce(self._hybrid_window_loss)[0] if engine.monitored else None
             engine.check_predict_step(monitored_loss)
-            if engine.ends_prediction and engine.probe is not None:
+            # The run's last step judges an open jump early, so that a rejected one is made up like any other.
+            last_step = self.state.global_step + 1 >= self.state.max_steps
+            if (engine.ends_prediction or last_step) and engine.probe is not None:
                 engine.judge_probe(self._hybrid_reduce(self._probe_loss(model, engine.probe))[0])
             self._hybrid_veto_optimizer_step()
         return loss
@@ -269,11 +272,24 @@ class HybridMixin:
         if schedule is not None:
             self.lr_scheduler.load_state_dict(schedule["scheduler"])
             for group, saved in zip(self.optimizer.param_groups, schedule["groups"]):
-                group.update(copy.deepcopy(saved))
+                for key, value in saved.items():
+                    if isinstance(group[key], torch.Tensor):  # a fused or capturable optimizer's device tensor
+                        group[key].copy_(value)
+                    else:
+                        group[key] = value
         self._hybrid_extend_max_steps(steps)
 
     def _hybrid_extend_max_steps(self, steps: int) -> None:
-        self.state.max_steps += steps
+        """Add steps to max_steps, as far as the Trainer's epochs reach: its loop ends with the last epoch."""
+        room = steps if self._hybrid_last_step is None else min(steps, self._hybrid_last_step - self.state.max_steps)
+        room = max(room, 0)
+        self.state.max_steps += room
+        if room < steps and self.is_world_process_zero():
+            logger.warning(
+                f"{steps - room} optimizer steps undone by a rolled-back jump cannot be made up: the Trainer's last "
+                f"epoch ends at step {self._hybrid_last_step}. This run makes {steps - room} fewer real updates than "
+                "the Trainer would; a max_steps short of the data's last epoch leaves room for them."
+            )
         for callback in self.callback_handler.callbacks:
             if isinstance(callback, ProgressCallback) and callback.training_bar is not None:
                 callback.training_bar.total = self.state.max_steps
@@ -309,10 +325,21 @@ class HybridMixin:
             stacked = self.accelerator.reduce(stacked, reduction="mean")
         return stacked.tolist()
 
-    def _hybrid_train_begin(self) -> None:
+    def _hybrid_epochs_end_at(self, train_dataloader) -> int | None:
+        """The optimizer step at which the Trainer's epoch loop ends, as `Trainer.set_initial_training_values`
+        counts it; None when the data has no length (the loop then runs until max_steps)."""
+        try:
+            batches = len(train_dataloader)
+        except TypeError:
+            return None
+        accumulation = self.args.gradient_accumulation_steps
+        return self.state.num_train_epochs * max(-(-batches // accumulation), 1)
+
+    def _hybrid_train_begin(self, train_dataloader) -> None:
         # The model and optimizer are prepared by now; each train() call builds the engine anew, before any file
         # is touched, so a setup error (no trainable parameter, an optimizer the predictor can't read) leaves none.
         self._hybrid = self._build_engine()
+        self._hybrid_last_step = self._hybrid_epochs_end_at(train_dataloader)
         # A resumed run: the Trainer set max_steps from the arguments again.
         self._hybrid_extend_max_steps(self._hybrid.undone_steps)
         self._hybrid_t0 = time.perf_counter()
@@ -331,19 +358,9 @@ class HybridMixin:
             f.writelines(kept)
         self._hybrid_trace = open(path, "a", buffering=1)
 
-    def _hybrid_train_end(self, stopped: bool) -> None:
-        engine = self._hybrid
-        if engine is not None:
-            engine.finish()
-            missing = self.state.max_steps - self.state.global_step
-            # Not stopped at max_steps or by a callback: the epochs ran out before the steps made up were.
-            if not stopped and missing > 0 and engine.undone_steps > 0:
-                logger.warning(
-                    f"The last epoch ended {missing} optimizer steps short of max_steps ({self.state.max_steps}), "
-                    f"which rolled-back jumps had extended by {engine.undone_steps}: this run made {missing} fewer "
-                    "real updates than the Trainer would have. Set max_steps below the data's last epoch to leave "
-                    "room for them."
-                )
+    def _hybrid_train_end(self) -> None:
+        if self._hybrid is not None:
+            self._hybrid.finish()
         if self._hybrid_trace is not None:
             self._hybrid_trace.close()
             self._hybrid_trace = None

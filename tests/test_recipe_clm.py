@@ -89,10 +89,9 @@ def test_tiny_config_trains_saves_and_evaluates(tiny_run):
 
 def test_tiny_config_trains_hybrid(tiny_run):
     stats = read_json(tiny_run / "hybrid_stats.json")
+    # The steps undone by rolled-back jumps are made up on top of max_steps.
     assert sum(stats["phase_steps"].values()) == STEPS + stats["undone_steps"]
     assert stats["predict_steps"] > 0
-    # Each of the max_steps is a real update or a kept predicted step.
-    assert stats["backward_steps"] + stats["predict_steps"] - stats["undone_steps"] == STEPS
 
 
 def test_resume_from_checkpoint_continues_where_it_stopped(tiny_run, tmp_path):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from transformers import TrainerCallback
@@ -136,16 +138,29 @@ def test_probe_is_paired_under_dropout_and_leaves_training_rng_alone(tmp_out):
     assert torch.equal(torch.rand(3), expected)
 
 
-def test_training_that_ends_mid_jump_undoes_the_unjudged_delta(tmp_path):
-    # A constant schedule: with a decaying one, max_steps would change the whole trajectory.
-    settings = dict(hybrid_payoff_check=True, lr_scheduler_type="constant")
-    reference, rows = train_recorded(tmp_path / "ref", max_steps=40, **settings)
+class StopAt(TrainerCallback):
+    """Stops training at a given step, as early stopping or a time limit would."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+
+
+def test_training_stopped_mid_jump_undoes_the_unjudged_delta(tmp_path):
+    settings = dict(hybrid_payoff_check=True, max_steps=40)
+    reference, rows = train_recorded(tmp_path / "ref", **settings)
     # A Predict phase of 2+ steps; stop the run after its first step, before the probe verdict (rows[i] is step i+1).
     starts = [i for i, r in enumerate(rows) if r["phase"] is Phase.PREDICT and rows[i - 1]["phase"] != r["phase"]]
     start = next(i for i in starts if i + 1 < len(rows) and rows[i + 1]["phase"] is Phase.PREDICT)
     assert not torch.equal(rows[start]["params"], rows[start - 1]["params"])  # the delta did move the weights
     model = tiny_gpt2()
-    make_trainer(tmp_path / "cut", model=model, max_steps=start + 1, **settings).train()
+    trainer = make_trainer(tmp_path / "cut", model=model, **settings)
+    trainer.add_callback(StopAt(start + 1))
+    trainer.train()
+    assert trainer.state.global_step == start + 1
     assert torch.equal(flat_params(model), rows[start - 1]["params"])
 
 
@@ -200,16 +215,39 @@ def test_after_rejected_jumps_training_is_the_trainers_bit_for_bit(tmp_path, mon
         assert torch.equal(params, plain.params[n]), f"real step {n + 1} differs from the Trainer's"
 
 
+def test_a_jump_open_at_the_last_step_is_judged_there_and_made_up(tmp_path, monkeypatch):
+    """max_steps ends inside a Predict phase: the probe is judged at the last step rather than the jump undone
+    after training, and its rejection makes the step up before the Trainer decides to stop, so the run still ends
+    at the Trainer's final weights."""
+    reject_every_jump(monkeypatch)
+    settings = dict(lr_scheduler_type="constant", hybrid_payoff_check=True)  # max_steps changes nothing before it
+    _, rows = train_recorded(tmp_path / "long", max_steps=60, **settings)
+    first_predict = next(i for i, r in enumerate(rows) if r["phase"] is Phase.PREDICT)
+    assert rows[first_predict + 1]["phase"] is Phase.PREDICT  # a jump of two steps or more
+    last = first_predict + 1  # global step of the jump's first predicted step
+
+    trainer = make_trainer(tmp_path / "short", max_steps=last, **settings)
+    trainer.train()
+    stats = trainer.hybrid_stats()
+    assert stats["predictions_judged"] == 1 and stats["undone_steps"] == 1
+    assert trainer.state.global_step == last + 1 and stats["backward_steps"] == last
+    reference = make_trainer(tmp_path / "plain", hybrid=False, max_steps=last, **settings)
+    reference.train()
+    assert torch.equal(flat_params(trainer.model), flat_params(reference.model))
+
+
 def test_steps_that_cannot_be_made_up_are_reported(tmp_path, monkeypatch, caplog):
-    """An epoch-based run has no room after its last epoch: the undone steps are named in a warning."""
+    """An epoch-based run has no room after its last epoch: max_steps stays where the loop ends (so the final
+    save and eval still happen), and a warning names the steps that were not made up."""
     reject_every_jump(monkeypatch)
     trainer = make_trainer(tmp_path, hybrid_payoff_check=True, max_steps=-1, num_train_epochs=1)
     with caplog.at_level("WARNING", logger="hf_hybrid.trainer"):
         trainer.train()
     undone = trainer.hybrid_stats()["undone_steps"]
-    assert undone > 0 and trainer.state.global_step == 64
+    assert undone > 0 and trainer.state.global_step == trainer.state.max_steps == 64
     assert trainer.hybrid_stats()["backward_steps"] == 64 - undone
-    assert f"{undone} fewer real updates than the Trainer" in caplog.text
+    assert "fewer real updates than the Trainer would" in caplog.text
+    assert sum(int(n) for n in re.findall(r"(\d+) optimizer steps undone", caplog.text)) == undone
 
 
 def test_without_payoff_check_survived_jumps_undo_the_back_off(tmp_out, monkeypatch):
