@@ -324,6 +324,8 @@ def summarize(arm: ArmResult, target: float | None) -> dict:
         per_phase[phase] = per_phase.get(phase, 0.0) + seconds
     real_steps = sum(p != "predict" for p in arm.phases)
     tokens_per_step = arm.tokens / max(arm.steps, 1)
+    # A rolled-back jump's batches are trained on again (replay) and its steps made up: count them once.
+    undone = (arm.hybrid_stats or {}).get("undone_steps", 0)
     # 6 N FLOPs per trained token (forward + backward), against the H100's dense bf16 peak; predicted steps
     # train no token, so they count for nothing here.
     mfu = 6 * arm.n_params * tokens_per_step * real_steps / arm.train_seconds / H100_BF16_FLOPS if arm.cuda else None
@@ -334,7 +336,7 @@ def summarize(arm: ArmResult, target: float | None) -> dict:
         "final_eval_loss": arm.evals[-1][2],
         "final_perplexity": math.exp(arm.evals[-1][2]),
         "time_to_target": time_to(arm.evals, target) if target is not None else None,
-        "tokens_per_second": arm.tokens / arm.train_seconds,
+        "tokens_per_second": tokens_per_step * (arm.steps - undone) / arm.train_seconds,
         "median_real_step_seconds": statistics.median(real) if real else None,
         "seconds_per_phase": per_phase,
         "timing": arm.timing,
