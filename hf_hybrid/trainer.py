@@ -12,7 +12,9 @@ Thin glue. Each override below exists for one reason:
   hybrid state (including per-rank tensors) is saved and restored beside the optimizer's;
 - `log`: to merge the `hybrid/...` metrics into the Trainer's logs, so every `report_to` gets them.
 The optimizer step itself is vetoed through accelerate's public `sync_gradients` flag:
-`AcceleratedOptimizer.step` does nothing while it is False.
+`AcceleratedOptimizer.step` does nothing while it is False. The other loop points come through a
+callback placed first in line: at the end of a rolled-back step it rewinds the learning-rate schedule
+and adds the undone steps to `state.max_steps`, before `DefaultFlowCallback` decides whether to stop.
 """
 
 from __future__ import annotations
