@@ -25,6 +25,8 @@ class HybridTrainingArguments(TrainingArguments):
     Parameters:
         hybrid (`bool`, defaults to `True`):
             Turn hybrid training on. `False` makes [`HybridHFTrainer`] the plain `Trainer`, bit for bit.
+        hybrid_predict (`bool`, defaults to `True`):
+            Predict weight updates. `False` keeps only the guard: every step is a real step, protected.
         hybrid_warmup_steps (`int`, defaults to `100`):
             Plain optimizer steps at the start that only collect statistics.
         hybrid_full_steps (`int`, defaults to `20`):
@@ -79,9 +81,30 @@ class HybridTrainingArguments(TrainingArguments):
             Predict-aware memory: while predicting, park the optimizer state in pinned host memory (gradients are
             already freed); it comes back asynchronously before the next real step. Needs the `velocity`
             predictor (the `adam` predictor reads that state while predicting).
+        hybrid_guard (`bool`, defaults to `True`):
+            Guard every real optimizer step. A step whose loss or gradient norm is not finite, or is an outlier
+            against the recent steps, is skipped: its update is vetoed (weights, optimizer state, learning-rate
+            schedule and GradScaler stay as they were) and its batch is dropped. A skipped step does not count
+            toward `max_steps`. When the weights themselves turn out damaged, or outliers persist, the run rolls
+            back to the last good snapshot; after too many rollbacks it saves a checkpoint and stops.
+        hybrid_guard_window (`int`, defaults to `128`):
+            Accepted steps whose loss and gradient norm make up the guard's running statistics.
+        hybrid_guard_threshold (`float`, defaults to `6.0`):
+            A loss or gradient norm more than this many robust standard deviations (1.4826 x the median absolute
+            deviation) above the window's median is an outlier. The gradient norm is compared in log scale.
+        hybrid_guard_max_skips (`int`, defaults to `25`):
+            Outlier steps in a row after which the guard rolls back rather than skip again.
+        hybrid_guard_snapshot_steps (`int`, defaults to `100`):
+            Take the rollback snapshot (weights, optimizer state, schedule, RNG; in host memory) every this many
+            steps. 0 takes none: the guard then only skips, and a needed rollback stops the run.
+        hybrid_guard_max_rollbacks (`int`, defaults to `3`):
+            Rollbacks allowed in a run; the next needed one saves a checkpoint and stops training with an error.
     """
 
     hybrid: bool = field(default=True, metadata={"help": "Turn hybrid predictive training on (false = plain Trainer)."})
+    hybrid_predict: bool = field(
+        default=True, metadata={"help": "Predict weight updates (false = only the guard, every step real)."}
+    )
     hybrid_warmup_steps: int = field(default=100, metadata={"help": "Plain steps that only collect statistics."})
     hybrid_full_steps: int = field(
         default=20, metadata={"help": "Plain steps per Full phase before predicting (>= 1); doubles on back-off."}
@@ -125,6 +148,22 @@ class HybridTrainingArguments(TrainingArguments):
     hybrid_offload_optimizer_state: bool = field(
         default=False, metadata={"help": "GPU: park optimizer state in pinned host memory during Predict phases."}
     )
+    hybrid_guard: bool = field(
+        default=True, metadata={"help": "Skip outlier or non-finite real steps; roll back damaged weights."}
+    )
+    hybrid_guard_window: int = field(default=128, metadata={"help": "Steps in the guard's running statistics."})
+    hybrid_guard_threshold: float = field(
+        default=6.0, metadata={"help": "Outlier: this many robust sigmas above the window's median."}
+    )
+    hybrid_guard_max_skips: int = field(
+        default=25, metadata={"help": "Outlier steps in a row before the guard rolls back."}
+    )
+    hybrid_guard_snapshot_steps: int = field(
+        default=100, metadata={"help": "Steps between rollback snapshots (host memory); 0 = none, skips only."}
+    )
+    hybrid_guard_max_rollbacks: int = field(
+        default=3, metadata={"help": "Rollbacks allowed before the run saves a checkpoint and stops."}
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -140,11 +179,12 @@ def validate_hybrid_settings(settings) -> None:
     def bad(flag: str, why: str) -> None:
         raise ValueError(f"--{flag}: {why} (got {getattr(settings, flag)!r})")
 
-    for flag in ("hybrid_warmup_steps", "hybrid_correct_steps", "hybrid_max_rejections"):
+    for flag in ("hybrid_warmup_steps", "hybrid_correct_steps", "hybrid_max_rejections",
+                 "hybrid_guard_snapshot_steps", "hybrid_guard_max_rollbacks"):
         if getattr(settings, flag) < 0:
             bad(flag, "must be >= 0")
     for flag in ("hybrid_full_steps", "hybrid_min_predict_steps", "hybrid_max_consecutive_predicts",
-                 "hybrid_monitor_interval"):
+                 "hybrid_monitor_interval", "hybrid_guard_window", "hybrid_guard_max_skips"):
         if getattr(settings, flag) < 1:
             bad(flag, "must be >= 1")
     if settings.hybrid_max_predict_steps < settings.hybrid_min_predict_steps:
@@ -155,7 +195,8 @@ def validate_hybrid_settings(settings) -> None:
         bad("hybrid_predictor", f"must be one of {sorted(PREDICTORS)}")
     if not 0.0 <= settings.hybrid_velocity_beta < 1.0:
         bad("hybrid_velocity_beta", "must be in [0, 1)")
-    for flag in ("hybrid_loss_band", "hybrid_grad_explosion_factor", "hybrid_predict_step_cost"):
+    for flag in ("hybrid_loss_band", "hybrid_grad_explosion_factor", "hybrid_predict_step_cost",
+                 "hybrid_guard_threshold"):
         if not getattr(settings, flag) > 0:
             bad(flag, "must be > 0")
     if settings.hybrid_vram_min_free_mb < 0:

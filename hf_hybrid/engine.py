@@ -24,67 +24,7 @@ from .payoff import PayoffMeter
 from .predictors import PREDICTORS
 from .predictors.base import local_shard
 from .replay import BatchReplay, Unit
-
-
-class WeightSnapshot:
-    """A copy of the parameters to undo a Predict phase, bit-exactly. Buffers are reused, never regrown.
-
-    With `on_host`, accelerator parameters are copied into pinned host memory instead: one parameter-sized
-    buffer less on the device, for a device-to-host copy at each Predict phase's start and a host-to-device
-    copy at each rollback. Both are queued on the current stream, so the weights are not changed before the
-    copy has read them and a later capture cannot overwrite a restore still in flight.
-    """
-
-    def __init__(self, on_host: bool = False) -> None:
-        self.on_host = on_host
-        self.tensors: list[Tensor] | None = None
-        self.valid = False
-        self._copied: torch.cuda.Event | None = None  # the last device-to-host copy, for host reads
-
-    @torch.no_grad()
-    def capture(self, params: list[Tensor]) -> None:
-        to_host = self.on_host and params[0].is_cuda
-        if self.tensors is None:
-            if to_host:
-                self.tensors = [torch.empty(p.shape, dtype=p.dtype, pin_memory=True) for p in params]
-            else:
-                self.tensors = [torch.empty_like(p) for p in params]
-        if to_host:  # per tensor: the multi-tensor copy is for lists on one device
-            for t, p in zip(self.tensors, params):
-                t.copy_(p, non_blocking=True)
-            self._copied = torch.cuda.Event()
-            self._copied.record()
-        else:
-            torch._foreach_copy_(self.tensors, params)
-        self.valid = True
-
-    @torch.no_grad()
-    def restore(self, params: list[Tensor]) -> None:
-        assert self.valid and self.tensors is not None, "no snapshot to restore"
-        if self._copied is not None:
-            for p, t in zip(params, self.tensors):
-                p.copy_(t, non_blocking=True)
-        else:
-            torch._foreach_copy_(params, self.tensors)
-
-    def release(self) -> None:
-        self.tensors, self.valid, self._copied = None, False, None
-
-    def state_dict(self) -> dict:
-        if self._copied is not None:
-            self._copied.synchronize()  # the host copy may still be arriving
-        tensors = [t.detach().cpu().clone() for t in self.tensors] if self.valid and self.tensors else None
-        return {"valid": self.valid, "tensors": tensors}
-
-    def load_state_dict(self, state: dict, params: list[Tensor]) -> None:
-        self.valid = False
-        if state["valid"]:
-            self.capture(params)  # allocates the buffers where this run keeps them
-            if self._copied is not None:
-                self._copied.synchronize()  # or the copy could land after the saved values below
-            with torch.no_grad():
-                for s, saved in zip(self.tensors, state["tensors"]):
-                    s.copy_(saved)
+from .snapshot import WeightSnapshot
 
 
 @dataclass
@@ -105,6 +45,7 @@ class HybridEngine:
             raise ValueError("hybrid training needs at least one trainable parameter; the model has none")
         self.settings = settings
         self.params = params
+        self.optimizer = optimizer
         self.controller = PhaseController(
             ControllerConfig(
                 warmup_steps=settings.hybrid_warmup_steps,
@@ -146,7 +87,14 @@ class HybridEngine:
         # The trainer's learning-rate schedule as it was when the open jump began (opaque here): a rollback hands it
         # back, so the rolled-back steps do not advance the schedule.
         self.schedule_at_jump: dict | None = None
-        self.undone_steps = 0  # optimizer steps undone by rollbacks so far; the trainer adds them to max_steps
+        self.undone_steps = 0  # optimizer steps undone by rollbacks of jumps so far
+        # Optimizer steps that do not count toward max_steps (undone by a rollback, or skipped); the trainer adds
+        # them to max_steps, again on resume.
+        self.made_up_steps = 0
+        if not settings.hybrid_predict:  # the guard alone: retired from the start, no predictor buffers
+            self.controller.retired = True
+            self.controller.phase = Phase.FULL
+            self._release()
 
     # ---- one optimizer step -------------------------------------------------------------------
 
@@ -230,12 +178,7 @@ class HybridEngine:
         record.loss = loss
         after_prediction = self.snapshot.valid
         if not (math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm))):
-            self.monitor.non_finite += 1
-            self.monitor.divergences += 1
-            self.skipped_steps += 1
-            record.skipped = True
-            if after_prediction:
-                self.rollback()
+            self.skip_step(non_finite=True)
             return True
         first_correct = record.phase is Phase.CORRECT and self.controller.steps_in_phase == 0
         if after_prediction and first_correct:
@@ -248,6 +191,23 @@ class HybridEngine:
         if not self.controller.retired:  # the loss forecast serves only decisions to predict
             self.dynamics.observe(loss, grad_norm, lr)
         return False
+
+    def skip_step(self, non_finite: bool) -> None:
+        """This real step's update is vetoed (a NaN, or the guard's verdict). A jump still open is suspect too."""
+        if non_finite:
+            self.monitor.non_finite += 1
+            self.monitor.divergences += 1
+        self.skipped_steps += 1
+        self.record.skipped = True
+        if self.snapshot.valid:
+            self.rollback()  # which makes up this step with the jump's
+        else:
+            self.made_up_steps += 1
+
+    def weights_restored(self) -> None:
+        """The guard put back an older training state (never inside a jump: an outlier there rolls the jump back
+        first): the predictor's last measured update no longer leads to the current weights."""
+        self._measured_last = False
 
     def rollback(self) -> None:
         """Undo the Predict phase: last good weights, back to Full."""
@@ -262,6 +222,7 @@ class HybridEngine:
         if self.jump_start_step is not None:
             self.record.undone_steps = self.record.step - self.jump_start_step + 1
             self.undone_steps += self.record.undone_steps
+            self.made_up_steps += self.record.undone_steps
             self.jump_start_step = None
         if self.controller.retired:
             self._release()
@@ -417,6 +378,7 @@ class HybridEngine:
             "jump_start_step": self.jump_start_step,
             "schedule_at_jump": self.schedule_at_jump,
             "undone_steps": self.undone_steps,
+            "made_up_steps": self.made_up_steps,
             "measured_last": self._measured_last,
             "confidence": self.confidence,
             "band": self.band,
@@ -441,6 +403,7 @@ class HybridEngine:
         self.jump_start_step = state.get("jump_start_step")
         self.schedule_at_jump = state.get("schedule_at_jump")
         self.undone_steps = state.get("undone_steps", 0)
+        self.made_up_steps = state.get("made_up_steps", self.undone_steps)
         self._measured_last = state["measured_last"]
         self.confidence = state["confidence"]
         self.band = tuple(state["band"])

@@ -10,18 +10,24 @@ Thin glue. Each override below exists for one reason:
   a real step the gradient norm is where a NaN or an explosion is caught before the optimizer runs;
 - `_save_optimizer_and_scheduler` / `_load_optimizer_and_scheduler`: they run on every rank, so the
   hybrid state (including per-rank tensors) is saved and restored beside the optimizer's;
-- `log`: to merge the `hybrid/...` metrics into the Trainer's logs, so every `report_to` gets them.
+- `log`: to merge the `hybrid/...` metrics into the Trainer's logs, so every `report_to` gets them;
+- `train`: a run the guard stopped raises `GuardStoppedError` once the Trainer has finished its bookkeeping.
 The optimizer step itself is vetoed through accelerate's public `sync_gradients` flag:
 `AcceleratedOptimizer.step` does nothing while it is False. The other loop points come through a
 callback placed first in line: at the end of a rolled-back step it rewinds the learning-rate schedule
 and adds the undone steps to `state.max_steps`, before `DefaultFlowCallback` decides whether to stop.
+
+The guard (guard.py) judges every real step where its gradient norm is taken, from the same reduced numbers as the
+engine; what it decides is carried out at the step's end, after the Trainer stepped the schedule.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import math
 import os
+import pickle
 import time
 
 import torch
@@ -32,12 +38,18 @@ from transformers.utils import logging
 from .config import hybrid_settings
 from .controller import Phase
 from .engine import HybridEngine
+from .guard import Action, GuardEvent, StepGuard
 from .memory import EmergencyCheckpointCallback, VramMonitor
+from .snapshot import TrainingSnapshot
 
 HYBRID_STATE_NAME = "hybrid_state_rank{rank}.pt"
 TRACE_NAME = "hybrid_trace.jsonl"
 
 logger = logging.get_logger(__name__)
+
+
+class GuardStoppedError(RuntimeError):
+    """The guard stopped training: a rollback was needed after too many, or with no snapshot to go back to."""
 
 
 class _HybridStepHooks(TrainerCallback):
@@ -56,7 +68,7 @@ class _HybridStepHooks(TrainerCallback):
         self.trainer._hybrid_after_optimizer_step()
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.trainer._hybrid_end_step()
+        self.trainer._hybrid_end_step(control)
 
     def on_train_end(self, args, state, control, **kwargs):
         self.trainer._hybrid_train_end()
@@ -74,6 +86,12 @@ class HybridMixin:
         self._hybrid_window_loss: torch.Tensor | None = None
         self._hybrid_last_step: int | None = None  # the last step the Trainer's epochs can reach (None: no limit)
         self._hybrid_last_loss: torch.Tensor | None = None
+        self._guard: StepGuard | None = None
+        self._guard_snapshot: TrainingSnapshot | None = None
+        self._guard_inputs: dict | None = None  # the first micro-batch of the real step under way
+        self._guard_reference: dict | None = None  # that of the last accepted step, to tell bad weights from bad data
+        self._guard_pending: tuple | None = None  # (event, schedule, scaler state) until the step's end
+        self._guard_stop: str | None = None
         self._hybrid_t0 = time.perf_counter()
         self._vram = VramMonitor() if self.hybrid_settings.hybrid else None
         if not self.hybrid_settings.hybrid:
@@ -108,7 +126,7 @@ class HybridMixin:
     def hybrid_stats(self) -> dict:
         """Optimizer steps per phase, backward reduction, rollbacks and divergences so far."""
         if self._hybrid is not None:
-            return self._hybrid.stats()
+            return {**self._hybrid.stats(), **(self._guard or StepGuard()).stats()}
         steps = self.state.global_step
         return {
             "phase_steps": {p.value: (steps if p is Phase.FULL else 0) for p in Phase},
@@ -123,6 +141,7 @@ class HybridMixin:
             "undone_steps": 0,
             "predictions_judged": 0,
             "predictions_kept": 0,
+            **StepGuard().stats(),
         }
 
     # ---- the step ---------------------------------------------------------------------------------
@@ -142,6 +161,8 @@ class HybridMixin:
                 engine.schedule_at_jump = self._hybrid_schedule_state()
             self._hybrid_window_loss = torch.zeros((), device=self.args.device)
         if engine.phase is not Phase.PREDICT:
+            if first_micro_batch:
+                self._guard_inputs = inputs
             loss = super().training_step(model, inputs, num_items_in_batch)
             self._hybrid_window_loss += loss.detach().float()
             return loss
@@ -210,9 +231,42 @@ class HybridMixin:
         if engine is None or engine.record is None:
             return grad_norm
         loss, norm = self._hybrid_reduce(self._hybrid_window_loss, grad_norm)
-        if engine.check_real_step(loss, norm, self._hybrid_lr()):
+        if self._guard_vetoes(model, loss, norm) or engine.check_real_step(loss, norm, self._hybrid_lr()):
             self._hybrid_veto_optimizer_step()
         return grad_norm
+
+    def _guard_vetoes(self, model, loss: float, grad_norm: float | None) -> bool:
+        """The guard's verdict on a real step; a flagged step is vetoed now and dealt with at the step's end."""
+        guard, engine = self._guard, self._hybrid
+        if guard is None:
+            return False
+        step = self.state.global_step
+        event = guard.check(step + 1, loss, grad_norm)
+        jump_open = engine.snapshot.valid
+        if event is None:
+            self._guard_reference = self._guard_inputs
+            snapshot = self._guard_snapshot
+            every = self.hybrid_settings.hybrid_guard_snapshot_steps
+            due = every and guard.armed and (not snapshot.valid or step - snapshot.step >= every)
+            # Never inside a jump: the engine may still reject it, and a snapshot would bring it back.
+            if due and not jump_open:
+                snapshot.capture(step, engine.made_up_steps, engine.params, engine.optimizer,
+                                 self._hybrid_schedule_state())
+            return False
+        if jump_open:
+            event.action = Action.SKIP  # the engine rolls the jump back, to weights known to be good
+        elif event.action is Action.SKIP and self._guard_reference is not None:
+            reference = self._prepare_inputs(self._guard_reference)
+            guard.judge_weights(event, self._hybrid_reduce(self._probe_loss(model, reference))[0])
+        guard.escalate(event, has_snapshot=self._guard_snapshot.valid)
+        engine.record.loss = loss
+        non_finite = not math.isfinite(loss) or (grad_norm is not None and not math.isfinite(grad_norm))
+        engine.skip_step(non_finite)
+        scaler = self.accelerator.scaler
+        # A finite outlier leaves the fp16 loss scale alone; an overflow lowers it, as the scaler would anyway.
+        scaler_state = scaler.state_dict() if scaler is not None and not non_finite else None
+        self._guard_pending = (event, self._hybrid_schedule_state(), scaler_state)
+        return True
 
     def _hybrid_step_has_no_backward(self) -> bool:
         engine = self._hybrid
@@ -240,13 +294,23 @@ class HybridMixin:
         if record is not None and record.phase.has_backward and not (record.skipped or record.rollback) and stepped:
             self._hybrid.after_optimizer_step(self._hybrid_lr())
 
-    def _hybrid_end_step(self) -> None:
+    def _hybrid_end_step(self, control) -> None:
         engine = self._hybrid
         if engine is None or engine.record is None:
             return
         record = engine.record
         if record.rollback:
             self._hybrid_make_up(record.undone_steps, engine.schedule_at_jump)
+        elif record.skipped:
+            self._hybrid_make_up(1, self._guard_pending[1] if self._guard_pending else None)
+        guard_action = None
+        if self._guard_pending is not None:
+            event, _, scaler_state = self._guard_pending
+            self._guard_pending = None
+            if scaler_state is not None:
+                self.accelerator.scaler.load_state_dict(scaler_state)
+            self._guard_act(event, control)
+            guard_action = event.action.value
         next_phase = engine.end_step()
         if self._hybrid_trace is not None:
             self._hybrid_trace.write(
@@ -259,6 +323,7 @@ class HybridMixin:
                         "confidence": engine.confidence,
                         "prediction_error": engine.predictor.last_residual,
                         "rollback": record.rollback,
+                        "guard": guard_action,
                     }
                 )
                 + "\n"
@@ -280,6 +345,38 @@ class HybridMixin:
                     else:
                         group[key] = value
         self._hybrid_extend_max_steps(steps)
+
+    def _guard_act(self, event: GuardEvent, control) -> None:
+        """Carry out a flagged step's verdict: the skip is done (vetoed, made up); a rollback or a stop puts the last
+        snapshot back and drops the batches since it. Then one warning line says what happened."""
+        engine, snapshot = self._hybrid, self._guard_snapshot
+        done = "skipped the step; its batch is dropped"
+        if event.action is not Action.SKIP and snapshot.valid:
+            schedule = snapshot.restore(engine.params, engine.optimizer)
+            # Updates in effect go back to the snapshot's; every step since then no longer counts.
+            undone = (engine.record.step + 1 - snapshot.step) - (engine.made_up_steps - snapshot.made_up)
+            engine.made_up_steps += undone
+            self._guard.undone_steps += undone
+            self._hybrid_make_up(undone, schedule)
+            engine.weights_restored()
+            self._guard_reference = None
+            done = (f"rolled back to the snapshot before step {snapshot.step + 1} ({undone} updates undone, their "
+                    "batches dropped)")
+        message = f"hf_hybrid guard: step {event.step}: {event.describe()}: {done}."
+        if event.action is Action.STOP:
+            control.should_save = control.should_training_stop = True
+            checkpoint = os.path.join(self.args.output_dir, f"checkpoint-{self.state.global_step}")
+            restored = done if snapshot.valid else "no snapshot to restore (--hybrid_guard_snapshot_steps 0)"
+            message = (
+                f"hf_hybrid guard stopped training at step {event.step}: {event.describe()} after "
+                f"{self._guard.rollbacks} rollbacks (--hybrid_guard_max_rollbacks); {restored}; "
+                f"checkpoint: {checkpoint}. "
+                "Try a lower learning rate or a longer warmup, check the data near this step, or raise "
+                "--hybrid_guard_threshold."
+            )
+            self._guard_stop = message
+        if self.is_world_process_zero():
+            logger.warning(message)
 
     def _hybrid_extend_max_steps(self, steps: int) -> None:
         """Add steps to max_steps, as far as the Trainer's epochs reach: its loop ends with the last epoch."""
@@ -311,8 +408,22 @@ class HybridMixin:
         engine = HybridEngine(self.hybrid_settings, params, optimizer, seed=self.args.seed)
         if self._hybrid_pending_state is not None:
             engine.load_state_dict(self._hybrid_pending_state)
-            self._hybrid_pending_state = None
         return engine
+
+    def _build_guard(self, engine: HybridEngine) -> None:
+        settings, saved = self.hybrid_settings, self._hybrid_pending_state or {}
+        self._guard = self._guard_snapshot = self._guard_reference = self._guard_stop = None
+        if not settings.hybrid_guard:
+            return
+        self._guard = StepGuard(window=settings.hybrid_guard_window, threshold=settings.hybrid_guard_threshold,
+                                max_skips=settings.hybrid_guard_max_skips,
+                                max_rollbacks=settings.hybrid_guard_max_rollbacks)
+        self._guard_snapshot = TrainingSnapshot()
+        if "guard" in saved:  # absent from checkpoints written before the guard, or by a run without it
+            self._guard.load_state_dict(saved["guard"]["stats"])
+            self._guard_snapshot.load_state_dict(saved["guard"]["snapshot"], engine.params, engine.optimizer)
+            reference = saved["guard"]["reference"]
+            self._guard_reference = {k: v.to(self.args.device) for k, v in reference.items()} if reference else None
 
     def _hybrid_lr(self) -> float:
         return float(self.lr_scheduler.get_last_lr()[0])
@@ -341,9 +452,11 @@ class HybridMixin:
         # The model and optimizer are prepared by now; each train() call builds the engine anew, before any file
         # is touched, so a setup error (no trainable parameter, an optimizer the predictor can't read) leaves none.
         self._hybrid = self._build_engine()
+        self._build_guard(self._hybrid)
+        self._hybrid_pending_state = None
         self._hybrid_last_step = self._hybrid_epochs_end_at(train_dataloader)
         # A resumed run: the Trainer set max_steps from the arguments again.
-        self._hybrid_extend_max_steps(self._hybrid.undone_steps)
+        self._hybrid_extend_max_steps(self._hybrid.made_up_steps)
         self._hybrid_t0 = time.perf_counter()
         if not (self.hybrid_settings.hybrid_trace and self.is_world_process_zero()):
             return
@@ -371,7 +484,7 @@ class HybridMixin:
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self._hybrid is not None and not any(k.startswith("eval_") for k in logs):
-            logs = {**logs, **self._hybrid.log_metrics()}
+            logs = {**logs, **self._hybrid.log_metrics(), **(self._guard.log_metrics() if self._guard else {})}
             if self._vram is not None:
                 logs.update(self._vram.metrics())
         super().log(logs, start_time)
@@ -384,7 +497,15 @@ class HybridMixin:
         super()._save_optimizer_and_scheduler(output_dir)
         if self._hybrid is not None:
             path = os.path.join(output_dir, HYBRID_STATE_NAME.format(rank=self.args.process_index))
-            torch.save(self._hybrid.state_dict(), path)
+            state = self._hybrid.state_dict()
+            if self._guard is not None:
+                reference = self._guard_reference
+                state["guard"] = {
+                    "stats": self._guard.state_dict(),
+                    "snapshot": self._guard_snapshot.state_dict(),
+                    "reference": {k: v.detach().cpu() for k, v in reference.items()} if reference else None,
+                }
+            torch.save(state, path)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)
@@ -396,7 +517,26 @@ class HybridMixin:
             # rank that started fresh instead would take other phases than its peers and hang their collectives.
             path = os.path.join(checkpoint, HYBRID_STATE_NAME.format(rank=0))
         if os.path.isfile(path):
-            self._hybrid_pending_state = torch.load(path, map_location="cpu", weights_only=False)
+            self._hybrid_pending_state = load_hybrid_state(path)
+
+    def train(self, *args, **kwargs):
+        output = super().train(*args, **kwargs)
+        if self._guard_stop is not None:
+            raise GuardStoppedError(self._guard_stop)
+        return output
+
+
+def load_hybrid_state(path: str) -> dict:
+    """The hybrid state of a checkpoint, as plain types and tensors only: a file that holds any other object is
+    refused, because unpickling it could run code."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise ValueError(
+            f"{path} holds objects other than tensors and plain Python types, so hf_hybrid will not load it "
+            "(unpickling it could run code). Resume from a checkpoint written by hf_hybrid, or delete this file to "
+            f"resume without the hybrid state. ({str(err).splitlines()[0]})"
+        ) from None
 
 
 class HybridHFTrainer(HybridMixin, Trainer):

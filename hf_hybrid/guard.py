@@ -1,0 +1,173 @@
+"""Run protection for real optimizer steps: is this step an outlier, and what should the run do about it?
+
+Pure Python, like the controller: its inputs are the loss and gradient norm already averaged across ranks,
+so every rank reaches the same verdict and DDP/FSDP2 collectives stay in step.
+
+Detection. The last `window` accepted steps' losses and log gradient norms are kept. A step is an outlier
+when its loss or gradient norm is not finite, or when either lies more than `threshold` robust sigmas
+(1.4826 x the median absolute deviation) above the window's median. Only upward excursions count: a loss
+that falls faster than usual is good news. Detection starts once the window holds `min_steps` values;
+non-finite values are caught from the first step.
+
+Reaction, escalating (OLMo-core's SkipStepOptimizer and PaLM's restarts, in one ladder):
+- SKIP: the step's update is vetoed and its batch dropped. An outlier alone says nothing about the
+  weights: a bad batch looks the same. So the last accepted batch is measured again at the current
+  weights (`judge_weights`). If its loss is an outlier too, the weights are damaged (by an update that
+  looked fine when it was taken), and the skip becomes a rollback.
+- ROLLBACK: back to the last good snapshot, taken before the update of an accepted step. Also when
+  outliers persist for `max_skips` steps in a row.
+- STOP: a rollback is needed and `max_rollbacks` have already happened, or there is no snapshot to go back to.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass
+from enum import Enum
+
+MAD_TO_SIGMA = 1.4826  # the MAD of a normal distribution is 0.6745 sigma
+# Floors on the robust sigma, so that an unusually smooth stretch does not turn ordinary noise into outliers:
+# relative for the loss, in log units (a factor of e^0.05) for the gradient norm.
+LOSS_SIGMA_FLOOR = 0.01
+LOG_GRAD_SIGMA_FLOOR = 0.05
+
+
+class Action(str, Enum):
+    SKIP = "skip"
+    ROLLBACK = "rollback"
+    STOP = "stop"
+
+
+@dataclass
+class GuardEvent:
+    """One flagged step: what was out of range, by how much, and what the run does."""
+
+    step: int  # the optimizer step as the Trainer's logs count it (1-based)
+    signal: str  # "loss", "grad_norm", "non-finite loss", "non-finite grad_norm", "weights"
+    value: float
+    bound: float | None
+    action: Action
+
+    def describe(self) -> str:
+        if self.bound is None:
+            return f"{self.signal} {self.value:.4g}"
+        return f"{self.signal} {self.value:.4g} > bound {self.bound:.4g}"
+
+
+class RobustWindow:
+    """The last `size` values of one signal, with an upper bound at median + threshold robust sigmas."""
+
+    def __init__(self, size: int, sigma_floor: float, relative_floor: bool) -> None:
+        self.values: deque[float] = deque(maxlen=size)
+        self.sigma_floor = sigma_floor
+        self.relative_floor = relative_floor
+
+    def bound(self, threshold: float) -> float:
+        median = statistics.median(self.values)
+        mad = statistics.median(abs(v - median) for v in self.values)
+        floor = self.sigma_floor * (max(abs(median), 1.0) if self.relative_floor else 1.0)
+        return median + threshold * max(MAD_TO_SIGMA * mad, floor)
+
+
+class StepGuard:
+    def __init__(self, window: int = 128, threshold: float = 6.0, max_skips: int = 25, max_rollbacks: int = 3,
+                 min_steps: int | None = None) -> None:
+        self.threshold = threshold
+        self.max_skips = max_skips
+        self.max_rollbacks = max_rollbacks
+        self.min_steps = min_steps if min_steps is not None else min(window, max(8, window // 4))
+        self.loss = RobustWindow(window, LOSS_SIGMA_FLOOR, relative_floor=True)
+        self.log_grad = RobustWindow(window, LOG_GRAD_SIGMA_FLOOR, relative_floor=False)
+        self.consecutive_skips = 0
+        self.outliers = 0
+        self.rollbacks = 0
+        self.undone_steps = 0  # applied updates undone by rollbacks; their batches are dropped
+        self.last_event: GuardEvent | None = None
+
+    @property
+    def armed(self) -> bool:
+        """Whether the statistics are ready to flag outliers (non-finite values are flagged regardless)."""
+        return len(self.loss.values) >= self.min_steps
+
+    def loss_bound(self) -> float | None:
+        return self.loss.bound(self.threshold) if self.armed else None
+
+    def check(self, step: int, loss: float, grad_norm: float | None) -> GuardEvent | None:
+        """Judge a real step's (rank-averaged) loss and gradient norm. None: the step is accepted and joins the
+        statistics. Otherwise the event says what to do; `has_snapshot` is settled later by `escalate`."""
+        event = self._flag(step, loss, grad_norm)
+        if event is None:
+            self.loss.values.append(loss)
+            if grad_norm is not None and grad_norm > 0:
+                self.log_grad.values.append(math.log(grad_norm))
+            self.consecutive_skips = 0
+            return None
+        self.outliers += 1
+        self.consecutive_skips += 1
+        if self.consecutive_skips >= self.max_skips:
+            event.action = Action.ROLLBACK
+        return event
+
+    def _flag(self, step: int, loss: float, grad_norm: float | None) -> GuardEvent | None:
+        if not math.isfinite(loss):
+            return GuardEvent(step, "non-finite loss", loss, None, Action.SKIP)
+        if grad_norm is not None and not math.isfinite(grad_norm):
+            return GuardEvent(step, "non-finite grad_norm", grad_norm, None, Action.SKIP)
+        if not self.armed:
+            return None
+        bound = self.loss.bound(self.threshold)
+        if loss > bound:
+            return GuardEvent(step, "loss", loss, bound, Action.SKIP)
+        if grad_norm is not None and grad_norm > 0 and len(self.log_grad.values) >= self.min_steps:
+            log_bound = self.log_grad.bound(self.threshold)
+            if math.log(grad_norm) > log_bound:
+                return GuardEvent(step, "grad_norm", grad_norm, math.exp(log_bound), Action.SKIP)
+        return None
+
+    def judge_weights(self, event: GuardEvent, reference_loss: float) -> None:
+        """`reference_loss`: the last accepted batch's loss at the current weights. Out of range too: the weights,
+        not the batch, are bad, and only a rollback helps."""
+        bound = self.loss_bound()
+        damaged = not math.isfinite(reference_loss) or (bound is not None and reference_loss > bound)
+        if damaged and event.action is Action.SKIP:
+            event.signal, event.value, event.bound, event.action = "weights", reference_loss, bound, Action.ROLLBACK
+
+    def escalate(self, event: GuardEvent, has_snapshot: bool) -> None:
+        """A rollback that cannot happen, or one too many, stops the run."""
+        if event.action is Action.ROLLBACK:
+            if not has_snapshot or self.rollbacks >= self.max_rollbacks:
+                event.action = Action.STOP
+            else:
+                self.rollbacks += 1
+                self.consecutive_skips = 0
+        self.last_event = event
+
+    def stats(self) -> dict:
+        return {"guard_outliers": self.outliers, "guard_rollbacks": self.rollbacks,
+                "guard_undone_steps": self.undone_steps}
+
+    def log_metrics(self) -> dict[str, float]:
+        metrics = {f"hybrid/{k}": float(v) for k, v in self.stats().items()}
+        bound = self.loss_bound()
+        if bound is not None:
+            metrics["hybrid/guard_loss_bound"] = bound
+        return metrics
+
+    def state_dict(self) -> dict:
+        # Settings come from the flags of the run that resumes, not from the checkpoint.
+        return {
+            "loss": list(self.loss.values),
+            "log_grad": list(self.log_grad.values),
+            "consecutive_skips": self.consecutive_skips,
+            "outliers": self.outliers,
+            "rollbacks": self.rollbacks,
+            "undone_steps": self.undone_steps,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loss.values.extend(state["loss"])
+        self.log_grad.values.extend(state["log_grad"])
+        for key in ("consecutive_skips", "outliers", "rollbacks", "undone_steps"):
+            setattr(self, key, state[key])
