@@ -12,8 +12,8 @@ non-finite values are caught from the first step.
 Reaction, escalating (OLMo-core's SkipStepOptimizer and PaLM's restarts, in one ladder):
 - SKIP: the step's update is vetoed and its batch dropped. An outlier alone says nothing about the
   weights: a bad batch looks the same. So the last accepted batch is measured again at the current
-  weights (`judge_weights`). If its loss is an outlier too, the weights are damaged (by an update that
-  looked fine when it was taken), and the skip becomes a rollback.
+  weights (`judge_weights`). If it is flagged too, the weights are damaged (by an update that looked
+  fine when it was taken), and the skip becomes a rollback.
 - ROLLBACK: back to the last good snapshot, taken before the update of an accepted step. Also when
   outliers persist for `max_skips` steps in a row.
 - STOP: a rollback is needed and `max_rollbacks` have already happened, or there is no snapshot to go back to.
@@ -29,9 +29,9 @@ from enum import Enum
 
 MAD_TO_SIGMA = 1.4826  # the MAD of a normal distribution is 0.6745 sigma
 # Floors on the robust sigma, so that an unusually smooth stretch does not turn ordinary noise into outliers:
-# relative for the loss, in log units (a factor of e^0.05) for the gradient norm.
-LOSS_SIGMA_FLOOR = 0.01
-LOG_GRAD_SIGMA_FLOOR = 0.05
+# relative for the loss (2%), in log units for the gradient norm (a factor of e^0.1: its steps vary by tens of %).
+LOSS_SIGMA_FLOOR = 0.02
+LOG_GRAD_SIGMA_FLOOR = 0.1
 
 
 class Action(str, Enum):
@@ -126,13 +126,13 @@ class StepGuard:
                 return GuardEvent(step, "grad_norm", grad_norm, math.exp(log_bound), Action.SKIP)
         return None
 
-    def judge_weights(self, event: GuardEvent, reference_loss: float) -> None:
-        """`reference_loss`: the last accepted batch's loss at the current weights. Out of range too: the weights,
-        not the batch, are bad, and only a rollback helps."""
-        bound = self.loss_bound()
-        damaged = not math.isfinite(reference_loss) or (bound is not None and reference_loss > bound)
-        if damaged and event.action is Action.SKIP:
-            event.signal, event.value, event.bound, event.action = "weights", reference_loss, bound, Action.ROLLBACK
+    def judge_weights(self, event: GuardEvent, reference_loss: float, reference_grad_norm: float | None) -> None:
+        """The last accepted batch's loss and gradient norm at the current weights. Flagged too: the weights, not
+        the batch, are bad, and only a rollback helps."""
+        reference = self._flag(event.step, reference_loss, reference_grad_norm)
+        if reference is not None and event.action is Action.SKIP:
+            event.signal, event.value, event.bound = f"weights ({reference.signal})", reference.value, reference.bound
+            event.action = Action.ROLLBACK
 
     def escalate(self, event: GuardEvent, has_snapshot: bool) -> None:
         """A rollback that cannot happen, or one too many, stops the run."""

@@ -256,8 +256,7 @@ class HybridMixin:
         if jump_open:
             event.action = Action.SKIP  # the engine rolls the jump back, to weights known to be good
         elif event.action is Action.SKIP and self._guard_reference is not None:
-            reference = self._prepare_inputs(self._guard_reference)
-            guard.judge_weights(event, self._hybrid_reduce(self._probe_loss(model, reference))[0])
+            guard.judge_weights(event, *self._hybrid_reduce(*self._guard_reference_signals(model)))
         guard.escalate(event, has_snapshot=self._guard_snapshot.valid)
         engine.record.loss = loss
         non_finite = not math.isfinite(loss) or (grad_norm is not None and not math.isfinite(grad_norm))
@@ -345,6 +344,20 @@ class HybridMixin:
                     else:
                         group[key] = value
         self._hybrid_extend_max_steps(steps)
+
+    def _guard_reference_signals(self, model) -> tuple[torch.Tensor, torch.Tensor]:
+        """Loss and gradient norm of the last accepted batch at the current weights, as the guard saw the flagged
+        step's: would that batch be flagged too? One forward and backward, only on a flagged step, whose update is
+        vetoed anyway (so its gradients may be overwritten). Unscaled: the fp16 loss scale is not involved."""
+        model.train()
+        inputs = self._prepare_inputs(self._guard_reference)
+        model.zero_grad()
+        with self._forked_rng(), self.compute_loss_context_manager():
+            torch.manual_seed(self.args.seed)
+            loss = self.compute_loss(model, inputs)
+            loss.backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        return loss.detach(), torch.nn.utils.get_total_norm(grads)
 
     def _guard_act(self, event: GuardEvent, control) -> None:
         """Carry out a flagged step's verdict: the skip is done (vetoed, made up); a rollback or a stop puts the last

@@ -4,6 +4,7 @@
     python scripts/benchmark.py --preset gpt2-124m            # on a GPU
     python scripts/benchmark.py --preset cpu-small --mode overhead   # hybrid with prediction off
     python scripts/benchmark.py --preset gpt2-124m --mode memory --max_steps 2000   # peak memory, forced prediction
+    python scripts/benchmark.py --preset cpu-small --mode faults     # the guard against injected faults (faults.py)
 
 Both arms share the model init, data order, seed and settings. Each arm runs in its own process (clean
 timing and peak memory), arms alternate, and `--repeats` pairs are run; medians are reported. The
@@ -349,10 +350,12 @@ def summarize(arm: ArmResult, target: float | None) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu-small")
-    parser.add_argument("--mode", choices=["speed", "overhead", "memory"], default="speed",
+    parser.add_argument("--mode", choices=["speed", "overhead", "memory", "faults"], default="speed",
                         help="speed: time to the baseline's eval loss; overhead: hybrid with prediction off; memory: "
                              "the same steps in both arms, the hybrid forced to predict as often as it can (CUDA peak "
-                             "memory curve)")
+                             "memory curve); faults: clean Trainer, Trainer and hybrid with injected faults")
+    parser.add_argument("--faults", default="window,spike,nan",
+                        help="faults mode: which faults to inject, from window, spike, nan")
     parser.add_argument("--repeats", type=int, default=2, help="baseline/hybrid pairs, run alternately")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max_steps", type=int, default=0, help="override the preset's baseline steps")
@@ -365,6 +368,10 @@ def main() -> None:
     args = parser.parse_args()
     if args._arm:
         return arm_main(args._arm)
+    if args.mode == "faults":
+        import faults
+
+        return faults.main(args, dict(PRESETS[args.preset]))
 
     overrides = {}
     for item in args.set:
