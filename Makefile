@@ -1,4 +1,5 @@
-# Two commands on a fresh machine: `make demo` (set up, then the cpu-small A/B benchmark) and `make test`.
+# Two commands on a fresh machine: `make demo` (set up, then the guard against injected faults and the cpu-small
+# speed A/B) and `make test`.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -19,7 +20,8 @@ $(BIN)/.installed: pyproject.toml
 setup: $(BIN)/.installed
 
 demo: setup
-	$(BIN)/python scripts/benchmark.py --preset cpu-small
+	$(BIN)/python scripts/benchmark.py --preset cpu-small --mode faults --max_steps 200
+	$(BIN)/python scripts/benchmark.py --preset cpu-small --repeats 1
 
 test: setup
 	$(BIN)/python -m pytest -q tests

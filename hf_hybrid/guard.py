@@ -6,8 +6,8 @@ so every rank reaches the same verdict and DDP/FSDP2 collectives stay in step.
 Detection. The last `window` accepted steps' losses and log gradient norms are kept. A step is an outlier
 when its loss or gradient norm is not finite, or when either lies more than `threshold` robust sigmas
 (1.4826 x the median absolute deviation) above the window's median. Only upward excursions count: a loss
-that falls faster than usual is good news. Detection starts once the window holds `min_steps` values;
-non-finite values are caught from the first step.
+that falls faster than usual is good news. Detection starts once the window is half full; non-finite
+values are caught from the first step.
 
 Reaction, escalating (OLMo-core's SkipStepOptimizer and PaLM's restarts, in one ladder):
 - SKIP: the step's update is vetoed and its batch dropped. An outlier alone says nothing about the
@@ -77,7 +77,8 @@ class StepGuard:
         self.threshold = threshold
         self.max_skips = max_skips
         self.max_rollbacks = max_rollbacks
-        self.min_steps = min_steps if min_steps is not None else min(window, max(8, window // 4))
+        # Half a window: early training's gradient norms swing widely, and a short history flags them (measured).
+        self.min_steps = min_steps if min_steps is not None else min(window, max(8, window // 2))
         self.loss = RobustWindow(window, LOSS_SIGMA_FLOOR, relative_floor=True)
         self.log_grad = RobustWindow(window, LOG_GRAD_SIGMA_FLOOR, relative_floor=False)
         self.consecutive_skips = 0

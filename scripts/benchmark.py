@@ -92,6 +92,7 @@ def run_arm(arm: str, preset: dict, out_dir: Path, seed: int, hybrid_overrides: 
             target: float | None) -> ArmResult:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+    from transformers.trainer_callback import PrinterCallback
 
     from hf_hybrid import HybridHFTrainer, HybridTrainingArguments
     from hf_hybrid.data import build_lm_datasets, load_shipped_corpus, load_shipped_tokenizer
@@ -147,6 +148,8 @@ def run_arm(arm: str, preset: dict, out_dir: Path, seed: int, hybrid_overrides: 
             now = time.perf_counter()
             clock["paused"] += now - clock["last_end"]
             clock["last_end"] = now
+            print(f"  [{arm:>8}] step {state.global_step:4d}, eval loss {loss:.4f}, "
+                  f"{result.evals[-1][1]:6.1f}s of training", flush=True)
             if target is not None and loss <= target and result.reached_step is None:
                 result.reached_step = state.global_step
                 if hybrid:
@@ -215,6 +218,7 @@ def run_arm(arm: str, preset: dict, out_dir: Path, seed: int, hybrid_overrides: 
         trainer_cls = type("TimedTrainer", (Timed, Trainer), {})
         args = TrainingArguments(**common)
     trainer = trainer_cls(model=model, args=args, train_dataset=datasets["train"], eval_dataset=eval_set)
+    trainer.remove_callback(PrinterCallback)  # one progress line per evaluation instead of the log dicts
     # Added after construction so they run after the hybrid's own hooks: its per-step work is timed too.
     if hybrid:
         trainer.add_callback(RealStepEval())
@@ -252,6 +256,7 @@ def time_hybrid_hooks(result: ArmResult, cuda: bool) -> None:
     import torch
 
     from hf_hybrid.engine import HybridEngine
+    from hf_hybrid.trainer import HybridMixin
 
     def timed(method):
         @functools.wraps(method)
@@ -272,6 +277,22 @@ def time_hybrid_hooks(result: ArmResult, cuda: bool) -> None:
     for name in ("begin_step", "check_predict_step", "check_real_step", "before_optimizer_step",
                  "after_optimizer_step", "end_step"):
         setattr(HybridEngine, name, timed(getattr(HybridEngine, name)))
+
+    # The guard's verdict (and, every few steps, its snapshot) happens in the trainer, on real steps only.
+    original = HybridMixin._guard_vetoes
+
+    @functools.wraps(original)
+    def guard_timed(self, *args, **kwargs):
+        if cuda:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = original(self, *args, **kwargs)
+        if cuda:
+            torch.cuda.synchronize()
+        result.timing["guard"] = result.timing.get("guard", 0.0) + time.perf_counter() - t
+        return out
+
+    HybridMixin._guard_vetoes = guard_timed
 
 
 # ---- orchestration ------------------------------------------------------------------------------
@@ -300,7 +321,8 @@ def launch(arm: str, args, out_dir: Path, target: float | None, overrides: dict)
     cmd = [sys.executable, __file__, "--_arm", json.dumps(spec)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            **TUNED_HOST_ALLOCATOR}
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    print(f"{arm} arm:", flush=True)
+    done = subprocess.run(cmd, env=env, stderr=subprocess.PIPE, text=True)  # its progress lines go to the screen
     if done.returncode != 0:
         sys.exit(f"benchmark: the {arm} arm failed:\n{done.stderr[-4000:]}")
     return ArmResult(**json.loads((out_dir / "arm_result.json").read_text()))
@@ -452,6 +474,7 @@ def print_table(report: dict) -> None:
         print(f"phase steps: {stats['phase_steps']}")
         print(f"backward reduction: {stats['backward_reduction']:.3f}, rollbacks: {stats['rollbacks']}, "
               f"divergences: {stats['divergences']}")
+        print(f"guard: {stats.get('guard_outliers', 0)} steps flagged, {stats.get('guard_rollbacks', 0)} rollbacks")
     timing = report["baseline"][0]["timing"]
     if timing:
         print("baseline split (s): " + ", ".join(f"{k} {v:.1f}" for k, v in timing.items()))
@@ -461,6 +484,9 @@ def print_table(report: dict) -> None:
     if real_seconds:
         print(f"hybrid hook time on real steps: {hook_seconds:.2f}s = {100 * hook_seconds / real_seconds:.2f}% "
               "of real-step time")
+        guard_seconds = hybrid_timing.get("guard", 0.0)
+        print(f"guard time (verdicts and snapshots): {guard_seconds:.2f}s = "
+              f"{100 * guard_seconds / real_seconds:.2f}% of real-step time")
     print("hybrid seconds per phase: " + ", ".join(
         f"{k} {v:.1f}" for k, v in report["hybrid"][0]["seconds_per_phase"].items()))
     if report["mode"] == "memory":

@@ -24,7 +24,7 @@ import torch
 from transformers import TrainerCallback
 
 WINDOW_LENGTH = 10
-SPIKE_FACTOR = 30.0
+SPIKE_FACTOR = 100.0
 ALL_FAULTS = ("window", "spike", "nan")
 
 
@@ -135,6 +135,7 @@ class UpdatesEval(TrainerCallback):
 
 def run_arm(arm: str, preset: dict, plan: FaultPlan, seed: int, out_dir: Path) -> dict:
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+    from transformers.trainer_callback import PrinterCallback
 
     from hf_hybrid import HybridHFTrainer, HybridTrainingArguments
     from hf_hybrid.data import build_lm_datasets, load_shipped_corpus, load_shipped_tokenizer
@@ -163,6 +164,7 @@ def run_arm(arm: str, preset: dict, plan: FaultPlan, seed: int, out_dir: Path) -
     if faulty:
         trainer_cls = with_faults(trainer_cls, plan)
     trainer = trainer_cls(model=model, args=args, train_dataset=datasets["train"], eval_dataset=eval_set)
+    trainer.remove_callback(PrinterCallback)  # one progress line per evaluation instead of the log dicts
     evaluator = UpdatesEval(arm, preset["eval_steps"], preset["max_steps"])
     evaluator.trainer = trainer
     trainer.add_callback(evaluator)
