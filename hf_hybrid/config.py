@@ -94,7 +94,7 @@ class HybridTrainingArguments(TrainingArguments):
             deviation) above the window's median is an outlier. The gradient norm is compared in log scale.
         hybrid_guard_max_skips (`int`, defaults to `25`):
             Outlier steps in a row after which the guard rolls back rather than skip again.
-        hybrid_guard_snapshot_steps (`int`, defaults to `100`):
+        hybrid_guard_snapshot_steps (`int`, defaults to `50`):
             Take the rollback snapshot (weights, optimizer state, schedule, RNG; in host memory) every this many
             steps. 0 takes none: the guard then only skips, and a needed rollback stops the run.
         hybrid_guard_max_rollbacks (`int`, defaults to `3`):
@@ -159,7 +159,7 @@ class HybridTrainingArguments(TrainingArguments):
         default=25, metadata={"help": "Outlier steps in a row before the guard rolls back."}
     )
     hybrid_guard_snapshot_steps: int = field(
-        default=100, metadata={"help": "Steps between rollback snapshots (host memory); 0 = none, skips only."}
+        default=50, metadata={"help": "Steps between rollback snapshots (host memory); 0 = none, skips only."}
     )
     hybrid_guard_max_rollbacks: int = field(
         default=3, metadata={"help": "Rollbacks allowed before the run saves a checkpoint and stops."}

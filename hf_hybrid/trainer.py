@@ -247,7 +247,7 @@ class HybridMixin:
             self._guard_reference = self._guard_inputs
             snapshot = self._guard_snapshot
             every = self.hybrid_settings.hybrid_guard_snapshot_steps
-            due = every and guard.armed and (not snapshot.valid or step - snapshot.step >= every)
+            due = every and (not snapshot.valid or step - snapshot.step >= every)
             # Never inside a jump: the engine may still reject it, and a snapshot would bring it back.
             if due and not jump_open:
                 snapshot.capture(step, engine.made_up_steps, engine.params, engine.optimizer,

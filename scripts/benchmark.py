@@ -88,25 +88,36 @@ class ArmResult:
 # ---- one arm, in its own process ----------------------------------------------------------------
 
 
-def run_arm(arm: str, preset: dict, out_dir: Path, seed: int, hybrid_overrides: dict, budget: float,
-            target: float | None) -> ArmResult:
+def build_model_and_data(preset: dict, seed: int):
+    """The preset's GPT-2, initialized from `seed` (the same init in every arm), with the shipped corpus in blocks
+    and the evaluation subset."""
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
-    from transformers.trainer_callback import PrinterCallback
+    from transformers import GPT2Config, GPT2LMHeadModel
 
-    from hf_hybrid import HybridHFTrainer, HybridTrainingArguments
     from hf_hybrid.data import build_lm_datasets, load_shipped_corpus, load_shipped_tokenizer
 
-    cuda = torch.cuda.is_available()
     tokenizer = load_shipped_tokenizer()
     datasets = build_lm_datasets(load_shipped_corpus(), tokenizer, preset["block_size"])
     eval_set = datasets["validation"].select(range(min(preset["eval_blocks"], len(datasets["validation"]))))
     config = GPT2Config(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
                         eos_token_id=tokenizer.eos_token_id, **preset["model"])
     torch.manual_seed(seed)
-    model = GPT2LMHeadModel(config)  # same seed, same init in every arm
-    if cuda:
+    model = GPT2LMHeadModel(config)
+    if torch.cuda.is_available():
         model.config._attn_implementation = "sdpa"
+    return model, datasets, eval_set
+
+
+def run_arm(arm: str, preset: dict, out_dir: Path, seed: int, hybrid_overrides: dict, budget: float,
+            target: float | None) -> ArmResult:
+    import torch
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers.trainer_callback import PrinterCallback
+
+    from hf_hybrid import HybridHFTrainer, HybridTrainingArguments
+
+    cuda = torch.cuda.is_available()
+    model, datasets, eval_set = build_model_and_data(preset, seed)
 
     hybrid = arm != "baseline"
     max_steps = preset["max_steps"] if not hybrid or target is None else math.ceil(preset["max_steps"] * budget)
@@ -258,7 +269,7 @@ def time_hybrid_hooks(result: ArmResult, cuda: bool) -> None:
     from hf_hybrid.engine import HybridEngine
     from hf_hybrid.trainer import HybridMixin
 
-    def timed(method):
+    def timed(method, key_of):
         @functools.wraps(method)
         def wrapper(self, *args, **kwargs):
             if cuda:
@@ -267,32 +278,21 @@ def time_hybrid_hooks(result: ArmResult, cuda: bool) -> None:
             out = method(self, *args, **kwargs)
             if cuda:
                 torch.cuda.synchronize()
-            record = self.record if self.record is not None else self.last_record
-            key = "hybrid_hooks_predict" if record.phase.value == "predict" else "hybrid_hooks_real"
+            key = key_of(self)
             result.timing[key] = result.timing.get(key, 0.0) + time.perf_counter() - t
             return out
 
         return wrapper
 
+    def engine_key(engine) -> str:
+        record = engine.record if engine.record is not None else engine.last_record
+        return "hybrid_hooks_predict" if record.phase.value == "predict" else "hybrid_hooks_real"
+
     for name in ("begin_step", "check_predict_step", "check_real_step", "before_optimizer_step",
                  "after_optimizer_step", "end_step"):
-        setattr(HybridEngine, name, timed(getattr(HybridEngine, name)))
-
+        setattr(HybridEngine, name, timed(getattr(HybridEngine, name), engine_key))
     # The guard's verdict (and, every few steps, its snapshot) happens in the trainer, on real steps only.
-    original = HybridMixin._guard_vetoes
-
-    @functools.wraps(original)
-    def guard_timed(self, *args, **kwargs):
-        if cuda:
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        out = original(self, *args, **kwargs)
-        if cuda:
-            torch.cuda.synchronize()
-        result.timing["guard"] = result.timing.get("guard", 0.0) + time.perf_counter() - t
-        return out
-
-    HybridMixin._guard_vetoes = guard_timed
+    HybridMixin._guard_vetoes = timed(HybridMixin._guard_vetoes, lambda trainer: "guard")
 
 
 # ---- orchestration ------------------------------------------------------------------------------
@@ -393,7 +393,7 @@ def main() -> None:
     if args.mode == "faults":
         import faults
 
-        return faults.main(args, dict(PRESETS[args.preset]))
+        return faults.main(args, dict(PRESETS[args.preset]), build_model_and_data)
 
     overrides = {}
     for item in args.set:

@@ -5,7 +5,7 @@
 
 Faults, at fixed optimizer steps (0-based, the same in every arm):
 - window: `WINDOW_LENGTH` steps of random-label batches starting at 50% of the run;
-- spike: one update taken at `SPIKE_FACTOR` x the learning rate at 75% (the loss spikes on the steps after it);
+- spike: one update taken at `SPIKE_FACTOR` x the learning rate at 70% (the loss spikes on the steps after it);
 - nan: a NaN loss at 95%.
 All arms share the init, data order and seed, and run in this process one after the other. Every arm is
 evaluated each `eval_steps` updates in effect (for the hybrid, skipped and rolled-back steps do not count),
@@ -38,7 +38,7 @@ class FaultPlan:
     def for_run(cls, max_steps: int, kinds) -> FaultPlan:
         start = max_steps // 2
         return cls(window=(start, start + WINDOW_LENGTH) if "window" in kinds else None,
-                   spike_step=3 * max_steps // 4 if "spike" in kinds else None,
+                   spike_step=7 * max_steps // 10 if "spike" in kinds else None,
                    nan_step=19 * max_steps // 20 if "nan" in kinds else None)
 
     def describe(self) -> str:
@@ -133,20 +133,13 @@ class UpdatesEval(TrainerCallback):
               f"eval loss {metrics['eval_loss']:.4f}, {time.perf_counter() - self.t0:5.0f}s{extra}", flush=True)
 
 
-def run_arm(arm: str, preset: dict, plan: FaultPlan, seed: int, out_dir: Path) -> dict:
-    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+def run_arm(arm: str, preset: dict, plan: FaultPlan, seed: int, out_dir: Path, build) -> dict:
+    from transformers import Trainer, TrainingArguments
     from transformers.trainer_callback import PrinterCallback
 
     from hf_hybrid import HybridHFTrainer, HybridTrainingArguments
-    from hf_hybrid.data import build_lm_datasets, load_shipped_corpus, load_shipped_tokenizer
 
-    tokenizer = load_shipped_tokenizer()
-    datasets = build_lm_datasets(load_shipped_corpus(), tokenizer, preset["block_size"])
-    eval_set = datasets["validation"].select(range(min(preset["eval_blocks"], len(datasets["validation"]))))
-    config = GPT2Config(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                        eos_token_id=tokenizer.eos_token_id, **preset["model"])
-    torch.manual_seed(seed)
-    model = GPT2LMHeadModel(config)
+    model, datasets, eval_set = build(preset, seed)
     cuda = torch.cuda.is_available()
     common = dict(
         output_dir=str(out_dir), max_steps=preset["max_steps"], per_device_train_batch_size=preset["batch_size"],
@@ -177,7 +170,8 @@ def run_arm(arm: str, preset: dict, plan: FaultPlan, seed: int, out_dir: Path) -
             "hybrid_stats": stats}
 
 
-def main(args, preset: dict) -> None:
+def main(args, preset: dict, build) -> None:
+    """`build(preset, seed)` returns the model, the datasets and the evaluation set (benchmark.py's)."""
     if args.max_steps:
         preset["max_steps"] = args.max_steps
     preset["eval_steps"] = max(preset["max_steps"] // 10, 1)
@@ -192,7 +186,7 @@ def main(args, preset: dict) -> None:
     arms = {}
     for arm in ("trainer-clean", "trainer-faults", "hybrid-faults"):
         print(f"{arm}:", flush=True)
-        arms[arm] = run_arm(arm, dict(preset), plan, args.seed, root / arm)
+        arms[arm] = run_arm(arm, dict(preset), plan, args.seed, root / arm, build)
     clean = arms["trainer-clean"]["final_eval_loss"]
     report = {"preset": args.preset, "seed": args.seed, "max_steps": preset["max_steps"], "faults": kinds,
               "plan": plan.describe(), "arms": arms,

@@ -36,7 +36,7 @@ def test_two_process_ddp_ranks_take_the_same_guard_decisions(tmp_path):
     ranks = launch_two_ranks("ddp_guard_worker.py", tmp_path)
     assert ranks[0]["world_size"] == 2
     stats = ranks[0]["stats"]
-    # The spike rolls back; rank 0's bad batches and rank 1's NaN are skipped on both ranks.
-    assert stats["guard_rollbacks"] == 1 and stats["non_finite"] == 1 and stats["skipped_steps"] >= 4
+    # The spike rolls back on both ranks; rank 1's NaN is skipped on both.
+    assert stats["guard_rollbacks"] == 1 and stats["non_finite"] == 1 and stats["skipped_steps"] == 2
     assert ranks[0]["stats"] == ranks[1]["stats"]
     assert ranks[0]["hashes"] == ranks[1]["hashes"]
