@@ -248,8 +248,9 @@ class HybridMixin:
             snapshot = self._guard_snapshot
             every = self.hybrid_settings.hybrid_guard_snapshot_steps
             due = every and (not snapshot.valid or step - snapshot.step >= every)
-            # Never inside a jump: the engine may still reject it, and a snapshot would bring it back.
-            if due and not jump_open:
+            # Never inside a jump: the engine may still reject it, and a snapshot would bring it back. Not before the
+            # optimizer has state either: AdamW creates it at its first step, and a resumed run has it from the start.
+            if due and not jump_open and engine.optimizer.state:
                 snapshot.capture(step, engine.made_up_steps, engine.params, engine.optimizer,
                                  self._hybrid_schedule_state())
             return False
