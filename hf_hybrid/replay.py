@@ -57,16 +57,16 @@ class BatchReplay:
 
     def state_dict(self) -> dict:
         return {
-            "queue": [_move(unit, "cpu") for unit in self.queue],
-            "open": [_move(unit, "cpu") for unit in self.open] if self.open is not None else None,
+            "queue": [move_unit(unit, "cpu") for unit in self.queue],
+            "open": [move_unit(unit, "cpu") for unit in self.open] if self.open is not None else None,
         }
 
     def load_state_dict(self, state: dict, device: torch.device) -> None:
-        self.queue = deque(_move(unit, device) for unit in state["queue"])
-        self.open = [_move(unit, device) for unit in state["open"]] if state["open"] is not None else None
+        self.queue = deque(move_unit(unit, device) for unit in state["queue"])
+        self.open = [move_unit(unit, device) for unit in state["open"]] if state["open"] is not None else None
 
 
-def _move(unit: Unit, device) -> Unit:
+def move_unit(unit: Unit, device) -> Unit:
     batches, num_items = unit
     moved = [{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()} for batch in batches]
     return moved, num_items.to(device) if isinstance(num_items, torch.Tensor) else num_items

@@ -40,6 +40,7 @@ from .controller import Phase
 from .engine import HybridEngine
 from .guard import Action, GuardEvent, StepGuard
 from .memory import EmergencyCheckpointCallback, VramMonitor
+from .replay import move_unit
 from .snapshot import TrainingSnapshot
 
 HYBRID_STATE_NAME = "hybrid_state_rank{rank}.pt"
@@ -88,8 +89,8 @@ class HybridMixin:
         self._hybrid_last_loss: torch.Tensor | None = None
         self._guard: StepGuard | None = None
         self._guard_snapshot: TrainingSnapshot | None = None
-        self._guard_inputs: dict | None = None  # the first micro-batch of the real step under way
-        self._guard_reference: dict | None = None  # that of the last accepted step, to tell bad weights from bad data
+        self._guard_inputs: list[dict] = []  # the micro-batches of the real step under way
+        self._guard_reference: list[dict] | None = None  # the last accepted step's: bad weights or bad data?
         self._guard_pending: tuple | None = None  # (event, schedule, scaler state) until the step's end
         self._guard_stop: str | None = None
         self._hybrid_t0 = time.perf_counter()
@@ -161,8 +162,7 @@ class HybridMixin:
                 engine.schedule_at_jump = self._hybrid_schedule_state()
             self._hybrid_window_loss = torch.zeros((), device=self.args.device)
         if engine.phase is not Phase.PREDICT:
-            if first_micro_batch:
-                self._guard_inputs = inputs
+            self._guard_inputs = [inputs] if first_micro_batch else [*self._guard_inputs, inputs]
             loss = super().training_step(model, inputs, num_items_in_batch)
             self._hybrid_window_loss += loss.detach().float()
             return loss
@@ -347,18 +347,22 @@ class HybridMixin:
         self._hybrid_extend_max_steps(steps)
 
     def _guard_reference_signals(self, model) -> tuple[torch.Tensor, torch.Tensor]:
-        """Loss and gradient norm of the last accepted batch at the current weights, as the guard saw the flagged
-        step's: would that batch be flagged too? One forward and backward, only on a flagged step, whose update is
-        vetoed anyway (so its gradients may be overwritten). Unscaled: the fp16 loss scale is not involved."""
+        """Loss and gradient norm of the last accepted step's batches at the current weights, over its whole
+        accumulation window as the guard saw the flagged step's: would they be flagged too? One step's forward and
+        backward, only on a flagged step, whose update is vetoed anyway (so its gradients may be overwritten).
+        Unscaled: the fp16 loss scale is not involved."""
         model.train()
-        inputs = self._prepare_inputs(self._guard_reference)
         model.zero_grad()
-        with self._forked_rng(), self.compute_loss_context_manager():
+        total = torch.zeros((), device=self.args.device)
+        with self._forked_rng():
             torch.manual_seed(self.args.seed)
-            loss = self.compute_loss(model, inputs)
-            loss.backward()
+            for inputs in self._guard_reference:
+                with self.compute_loss_context_manager():
+                    loss = self.compute_loss(model, self._prepare_inputs(inputs)) / len(self._guard_reference)
+                loss.backward()
+                total += loss.detach().float()
         grads = [p.grad for p in model.parameters() if p.grad is not None]
-        return loss.detach(), torch.nn.utils.get_total_norm(grads)
+        return total, torch.nn.utils.get_total_norm(grads)
 
     def _guard_act(self, event: GuardEvent, control) -> None:
         """Carry out a flagged step's verdict: the skip is done (vetoed, made up); a rollback or a stop puts the last
@@ -437,7 +441,7 @@ class HybridMixin:
             self._guard.load_state_dict(saved["guard"]["stats"])
             self._guard_snapshot.load_state_dict(saved["guard"]["snapshot"], engine.params, engine.optimizer)
             reference = saved["guard"]["reference"]
-            self._guard_reference = {k: v.to(self.args.device) for k, v in reference.items()} if reference else None
+            self._guard_reference = move_unit((reference, None), self.args.device)[0] if reference else None
 
     def _hybrid_lr(self) -> float:
         return float(self.lr_scheduler.get_last_lr()[0])
@@ -517,7 +521,7 @@ class HybridMixin:
                 state["guard"] = {
                     "stats": self._guard.state_dict(),
                     "snapshot": self._guard_snapshot.state_dict(),
-                    "reference": {k: v.detach().cpu() for k, v in reference.items()} if reference else None,
+                    "reference": move_unit((reference, None), "cpu")[0] if reference else None,
                 }
             torch.save(state, path)
 
