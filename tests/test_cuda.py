@@ -199,3 +199,24 @@ def test_trainer_under_accelerate_fsdp2(tmp_path, predictor):
     assert result["predict_steps"] >= 5 and result["moved_on_predict"] == result["predict_steps_kept"]
     assert result["apply_collectives"] == 0
     assert result["finite"] and result["last_loss"] < result["first_loss"]
+
+
+def test_guard_skip_under_fp16_keeps_the_loss_scale_and_rolls_back_exactly(tmp_out):
+    """A finite outlier leaves GradScaler's scale where it was; a rollback from pinned host memory is exact."""
+    from .test_guard import FaultPlan, guarded_trainer, train_recorded
+
+    trainer = guarded_trainer(tmp_out, FaultPlan(window=(30, 32), spike_step=35), fp16=True, **ON_GPU)
+    scales = []
+
+    class Scale(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            scales.append(trainer.accelerator.scaler.get_scale())
+
+    trainer.add_callback(Scale())
+    rows = train_recorded(trainer).rows
+    events = {r["step"]: r["guard"] for r in map(json.loads, (tmp_out / "hybrid_trace.jsonl").read_text().splitlines())
+              if r["guard"]}
+    assert events.get(31) == "skip" and events.get(32) == "skip" and "rollback" in events.values(), events
+    assert scales[30] == scales[31] == scales[29]
+    rolled = next(step for step, action in events.items() if action == "rollback") - 1
+    assert torch.equal(rows[rolled]["params"], rows[rows[rolled - 1]["snapshot"] - 1]["params"])
