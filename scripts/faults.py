@@ -224,6 +224,9 @@ def plot(root: Path, report: dict) -> None:
     for arm, r in report["arms"].items():
         evals = [(u, loss) for _, u, loss in r["evals"] if math.isfinite(loss)]
         ax.plot([u for u, _ in evals], [loss for _, loss in evals], styles[arm], ms=3, label=arm)
+        lost = [u for _, u, loss in r["evals"] if not math.isfinite(loss)]
+        if lost:  # a NaN run has no point to plot from there on: say where it went
+            ax.annotate(f"{arm}: NaN", (lost[0], evals[-1][1]), color=styles[arm][:2], fontsize=8)
     ax.set_xlabel("updates in effect (optimizer steps that count)")
     ax.set_ylabel("eval loss")
     ax.set_title(report["plan"], fontsize=9)
