@@ -46,7 +46,7 @@ class GuardEvent:
     """One flagged step: what was out of range, by how much, and what the run does."""
 
     step: int  # the optimizer step as the Trainer's logs count it (1-based)
-    signal: str  # "loss", "grad_norm", "non-finite loss", "non-finite grad_norm", "weights"
+    signal: str  # "loss", "grad_norm", "non-finite loss", "non-finite grad_norm", or "weights (<one of those>)"
     value: float
     bound: float | None
     action: Action
@@ -86,7 +86,6 @@ class StepGuard:
         self.outliers = 0
         self.rollbacks = 0
         self.undone_steps = 0  # applied updates undone by rollbacks; their batches are dropped
-        self.last_event: GuardEvent | None = None
 
     @property
     def armed(self) -> bool:
@@ -144,7 +143,6 @@ class StepGuard:
             else:
                 self.rollbacks += 1
                 self.consecutive_skips = 0
-        self.last_event = event
 
     def stats(self) -> dict:
         return {"guard_outliers": self.outliers, "guard_rollbacks": self.rollbacks,

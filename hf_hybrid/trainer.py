@@ -91,7 +91,8 @@ class HybridMixin:
         self._guard_snapshot: TrainingSnapshot | None = None
         self._guard_inputs: list[dict] = []  # the micro-batches of the real step under way
         self._guard_reference: list[dict] | None = None  # the last accepted step's: bad weights or bad data?
-        self._guard_pending: tuple | None = None  # (event, schedule, scaler state) until the step's end
+        self._guard_pending: tuple | None = None  # (event, scaler state) until the step's end
+        self._hybrid_skip_schedule: dict | None = None  # the schedule before a vetoed real step, given back at its end
         self._guard_stop: str | None = None
         self._hybrid_t0 = time.perf_counter()
         self._vram = VramMonitor() if self.hybrid_settings.hybrid else None
@@ -232,6 +233,7 @@ class HybridMixin:
             return grad_norm
         loss, norm = self._hybrid_reduce(self._hybrid_window_loss, grad_norm)
         if self._guard_vetoes(model, loss, norm) or engine.check_real_step(loss, norm, self._hybrid_lr()):
+            self._hybrid_skip_schedule = self._hybrid_schedule_state()
             self._hybrid_veto_optimizer_step()
         return grad_norm
 
@@ -265,7 +267,7 @@ class HybridMixin:
         scaler = self.accelerator.scaler
         # A finite outlier leaves the fp16 loss scale alone; an overflow lowers it, as the scaler would anyway.
         scaler_state = scaler.state_dict() if scaler is not None and not non_finite else None
-        self._guard_pending = (event, self._hybrid_schedule_state(), scaler_state)
+        self._guard_pending = (event, scaler_state)
         return True
 
     def _hybrid_step_has_no_backward(self) -> bool:
@@ -301,11 +303,11 @@ class HybridMixin:
         record = engine.record
         if record.rollback:
             self._hybrid_make_up(record.undone_steps, engine.schedule_at_jump)
-        elif record.skipped:
-            self._hybrid_make_up(1, self._guard_pending[1] if self._guard_pending else None)
+        elif record.skipped:  # a vetoed real step (a NaN, the guard): it neither counts nor advances the schedule
+            self._hybrid_make_up(1, self._hybrid_skip_schedule)
         guard_action = None
         if self._guard_pending is not None:
-            event, _, scaler_state = self._guard_pending
+            event, scaler_state = self._guard_pending
             self._guard_pending = None
             if scaler_state is not None:
                 self.accelerator.scaler.load_state_dict(scaler_state)
