@@ -3,8 +3,9 @@
 No hub is reachable on the machines this project is built on, so the package ships the real GPT-2
 tokenizer (vocab.json and merges.txt, MIT, from the openai-whisper 20230308 source archive) and a
 public-domain corpus (Project Gutenberg's Shakespeare plays as packaged in shakespeare 0.6: Hamlet and
-The Tempest are the validation split). They load through the ordinary APIs, `from_pretrained` and
-`load_dataset`, so swapping in a Hub name changes nothing else.
+The Tempest are the validation split), and a fine-tuning corpus of another domain (the de-duplicated
+docstrings of transformers, Apache-2.0, built by scripts/build_docs_corpus.py). They load through the
+ordinary APIs, `from_pretrained` and `load_dataset`, so swapping in a Hub name changes nothing else.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from typing import Any
 
 ASSETS = Path(__file__).parent / "assets"
 SHIPPED_TOKENIZER_DIR = ASSETS / "gpt2"
-SHIPPED_CORPUS_FILES = {
-    "train": str(ASSETS / "shakespeare" / "train.txt.gz"),
-    "validation": str(ASSETS / "shakespeare" / "validation.txt.gz"),
+SHIPPED_CORPORA = {
+    name: {split: str(ASSETS / name / f"{split}.txt.gz") for split in ("train", "validation")}
+    for name in ("shakespeare", "transformers-docs")
 }
+SHIPPED_CORPUS_FILES = SHIPPED_CORPORA["shakespeare"]
 
 
 def load_shipped_tokenizer():
@@ -37,9 +39,9 @@ def load_text_dataset(data_files: dict[str, str], keep_linebreaks: bool = True):
     return load_dataset("text", data_files=data_files, keep_linebreaks=keep_linebreaks)
 
 
-def load_shipped_corpus():
-    """The shipped Shakespeare corpus as a `DatasetDict` with `train` and `validation` splits."""
-    return load_text_dataset(SHIPPED_CORPUS_FILES)
+def load_shipped_corpus(name: str = "shakespeare"):
+    """A shipped corpus (`shakespeare` or `transformers-docs`) as a `DatasetDict` with `train` and `validation`."""
+    return load_text_dataset(SHIPPED_CORPORA[name])
 
 
 def group_texts(examples: dict[str, list[Any]], block_size: int) -> dict[str, list[Any]]:

@@ -58,6 +58,30 @@ PRESETS = {
 }
 
 
+# The fine-tuning regimes: the cpu-small GPT-2, pretrained on the shipped Shakespeare by the project's own recipe (run
+# on first use, then kept as a checkpoint), fine-tuned on the shipped transformers docstrings with the Trainer's default
+# linear decay. Learning rates: the sweeps in docs/benchmarks.md. The hybrid runs the library's defaults.
+FINETUNE = dict(
+    pretrained="runs/pretrained/gpt2-cpu-shakespeare", pretrain_recipe="recipes/configs/gpt2-cpu-pretrain.yaml",
+    corpus="transformers-docs", block_size=64, batch_size=8, grad_accum=1, max_steps=400, eval_steps=40,
+    eval_blocks=128, learning_rate=1e-3, warmup_steps=20, weight_decay=0.0, optim="adamw_torch", bf16=False,
+    scheduler="linear", hybrid=dict(),
+)
+PRESETS.update({
+    "cpu-finetune": FINETUNE,
+    "cpu-lora": dict(FINETUNE, learning_rate=3e-3,
+                     lora=dict(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=["c_attn", "c_proj", "c_fc"])),
+    # Pretraining from scratch over a long horizon with a warmup-stable-decay schedule (the last 20% decays), where a
+    # long-horizon nowcast has the stable phase to jump in. Narrower than cpu-small so that 3000 steps take minutes.
+    "cpu-long": dict(
+        model=dict(n_layer=2, n_embd=64, n_head=2, n_positions=64),
+        block_size=64, batch_size=8, grad_accum=1, max_steps=3000, eval_steps=150, eval_blocks=128,
+        learning_rate=3e-3, warmup_steps=100, weight_decay=0.1, optim="adamw_torch", bf16=False,
+        scheduler="warmup_stable_decay", scheduler_kwargs=dict(num_decay_steps=600), hybrid=dict(),
+    ),
+})
+EMA_DECAY = 0.99  # the averaging arm's; about a 100-step window
+
 H100_BF16_FLOPS = 989e12
 MEMORY_SAMPLE_EVERY = 100  # steps between samples of the CUDA peak-memory curve
 
@@ -89,23 +113,80 @@ class ArmResult:
 
 
 def build_model_and_data(preset: dict, seed: int):
-    """The preset's GPT-2, initialized from `seed` (the same init in every arm), with the shipped corpus in blocks
-    and the evaluation subset."""
+    """The preset's GPT-2, initialized from `seed` or loaded from its pretrained checkpoint (the same start in every
+    arm), optionally wrapped in LoRA adapters, with the preset's shipped corpus in blocks and the evaluation subset."""
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
     from hf_hybrid.data import build_lm_datasets, load_shipped_corpus, load_shipped_tokenizer
 
     tokenizer = load_shipped_tokenizer()
-    datasets = build_lm_datasets(load_shipped_corpus(), tokenizer, preset["block_size"])
+    datasets = build_lm_datasets(load_shipped_corpus(preset.get("corpus", "shakespeare")), tokenizer,
+                                 preset["block_size"])
     eval_set = datasets["validation"].select(range(min(preset["eval_blocks"], len(datasets["validation"]))))
-    config = GPT2Config(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                        eos_token_id=tokenizer.eos_token_id, **preset["model"])
     torch.manual_seed(seed)
-    model = GPT2LMHeadModel(config)
+    if "pretrained" in preset:
+        model = AutoModelForCausalLM.from_pretrained(pretrained_checkpoint(preset))
+    else:
+        config = GPT2Config(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                            eos_token_id=tokenizer.eos_token_id, **preset["model"])
+        model = GPT2LMHeadModel(config)
     if torch.cuda.is_available():
         model.config._attn_implementation = "sdpa"
+    if "lora" in preset:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", fan_in_fan_out=True, **preset["lora"]))
     return model, datasets, eval_set
+
+
+def pretrained_checkpoint(preset: dict) -> str:
+    """The preset's pretrained checkpoint; trained by the project's recipe the first time (a few minutes on CPU)."""
+    root = Path(__file__).resolve().parent.parent
+    path = root / preset["pretrained"]
+    if not (path / "config.json").exists():
+        print(f"pretraining the checkpoint {path} with {preset['pretrain_recipe']} (first use only)", flush=True)
+        subprocess.run([sys.executable, str(root / "recipes" / "train_clm.py"), "--config",
+                        str(root / preset["pretrain_recipe"]), "--output_dir", str(path)], check=True)
+    return str(path)
+
+
+class WeightAverage:
+    """An exponential moving average of the trainable weights (fp32), updated after every optimizer step; `swapped_in`
+    evaluates it in place of the weights. The early-step decay (1 + n) / (10 + n) keeps it from remembering the
+    start."""
+
+    def __init__(self, model, decay: float) -> None:
+        import torch
+
+        self.decay, self.updates = decay, 0
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.average = [p.detach().float().clone() for p in self.params]
+        self.torch = torch
+
+    def update(self) -> None:
+        self.updates += 1
+        decay = min(self.decay, (1 + self.updates) / (10 + self.updates))
+        with self.torch.no_grad():
+            self.torch._foreach_lerp_(self.average, [p.float() for p in self.params], 1 - decay)
+
+    def swapped_in(self):
+        import contextlib
+
+        @contextlib.contextmanager
+        def swap():
+            kept = [p.detach().clone() for p in self.params]
+            with self.torch.no_grad():
+                for p, a in zip(self.params, self.average):
+                    p.copy_(a)
+            try:
+                yield
+            finally:
+                with self.torch.no_grad():
+                    for p, k in zip(self.params, kept):
+                        p.copy_(k)
+
+        return swap()
 
 
 def run_arm(arm: str, preset: dict, out_dir: Path, seed: int, hybrid_overrides: dict, budget: float,
@@ -119,13 +200,19 @@ def run_arm(arm: str, preset: dict, out_dir: Path, seed: int, hybrid_overrides: 
     cuda = torch.cuda.is_available()
     model, datasets, eval_set = build_model_and_data(preset, seed)
 
-    hybrid = arm != "baseline"
-    max_steps = preset["max_steps"] if not hybrid or target is None else math.ceil(preset["max_steps"] * budget)
+    hybrid = arm == "hybrid"
+    # Under a decaying schedule the step count defines the schedule: the hybrid keeps the baseline's, and must reach the
+    # target inside it. A constant schedule lets it run on for `budget` times the steps.
+    constant = preset.get("scheduler", "constant_with_warmup").startswith("constant")
+    max_steps = preset["max_steps"]
+    if hybrid and target is not None and constant:
+        max_steps = math.ceil(preset["max_steps"] * budget)
     common = dict(
         output_dir=str(out_dir), max_steps=max_steps, per_device_train_batch_size=preset["batch_size"],
         per_device_eval_batch_size=max(preset["batch_size"], 16), gradient_accumulation_steps=preset["grad_accum"],
-        learning_rate=preset["learning_rate"], lr_scheduler_type="constant_with_warmup",
-        warmup_steps=preset["warmup_steps"], weight_decay=preset["weight_decay"], optim=preset["optim"],
+        learning_rate=preset["learning_rate"], lr_scheduler_type=preset.get("scheduler", "constant_with_warmup"),
+        lr_scheduler_kwargs=preset.get("scheduler_kwargs", {}), warmup_steps=preset["warmup_steps"],
+        weight_decay=preset["weight_decay"], optim=preset["optim"],
         bf16=preset["bf16"] and cuda, eval_strategy="steps", eval_steps=preset["eval_steps"], logging_steps=25,
         save_strategy="no", report_to="none", seed=seed, data_seed=seed, disable_tqdm=True,
         dataloader_num_workers=0, use_cpu=not cuda,
@@ -228,11 +315,22 @@ def run_arm(arm: str, preset: dict, out_dir: Path, seed: int, hybrid_overrides: 
     else:
         trainer_cls = type("TimedTrainer", (Timed, Trainer), {})
         args = TrainingArguments(**common)
+    average = None
+    if arm == "ema":
+        average = WeightAverage(model, EMA_DECAY)
+        trainer_cls = averaged(trainer_cls, average)
     trainer = trainer_cls(model=model, args=args, train_dataset=datasets["train"], eval_dataset=eval_set)
     trainer.remove_callback(PrinterCallback)  # one progress line per evaluation instead of the log dicts
     # Added after construction so they run after the hybrid's own hooks: its per-step work is timed too.
     if hybrid:
         trainer.add_callback(RealStepEval())
+    if average is not None:
+
+        class AverageUpdate(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                average.update()
+
+        trainer.add_callback(AverageUpdate())  # before the clock's step end: its cost is training time
     trainer.add_callback(Clock())
     trainer.add_callback(OptimizerClockStart())
     trainer.callback_handler.callbacks.insert(0, OptimizerClockStop())
@@ -256,6 +354,17 @@ def run_arm(arm: str, preset: dict, out_dir: Path, seed: int, hybrid_overrides: 
     if hybrid:
         result.hybrid_stats = trainer.hybrid_stats()
     return result
+
+
+def averaged(trainer_cls: type, average: WeightAverage) -> type:
+    """`trainer_cls`, evaluating the weight average instead of the weights."""
+
+    class Averaged(trainer_cls):
+        def evaluate(self, *args, **kwargs):
+            with average.swapped_in():
+                return super().evaluate(*args, **kwargs)
+
+    return Averaged
 
 
 def time_hybrid_hooks(result: ArmResult, cuda: bool) -> None:
@@ -312,11 +421,13 @@ def time_to(evals: list, target: float) -> float | None:
     return None
 
 
-def launch(arm: str, args, out_dir: Path, target: float | None, overrides: dict) -> ArmResult:
+def launch(arm: str, args, out_dir: Path, target: float | None, overrides: dict,
+           learning_rate: float | None = None) -> ArmResult:
     # The memory mode needs no eval curve: one evaluation at the end keeps its long runs short.
     eval_at_end = args.mode == "memory"
     spec = dict(arm=arm, preset=args.preset, seed=args.seed, budget=args.hybrid_budget, target=target,
-                overrides=overrides, out_dir=str(out_dir), max_steps=args.max_steps, eval_at_end=eval_at_end)
+                overrides=overrides, out_dir=str(out_dir), max_steps=args.max_steps, eval_at_end=eval_at_end,
+                learning_rate=learning_rate or args.learning_rate)
     out_dir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, __file__, "--_arm", json.dumps(spec)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
@@ -335,6 +446,8 @@ def arm_main(spec_json: str) -> None:
         preset["max_steps"] = spec["max_steps"]
     if spec["eval_at_end"]:
         preset["eval_steps"] = preset["max_steps"]
+    if spec["learning_rate"]:
+        preset["learning_rate"] = spec["learning_rate"]
     out_dir = Path(spec["out_dir"])
     result = run_arm(spec["arm"], preset, out_dir, spec["seed"], spec["overrides"], spec["budget"], spec["target"])
     (out_dir / "arm_result.json").write_text(json.dumps(asdict(result)))
@@ -372,10 +485,16 @@ def summarize(arm: ArmResult, target: float | None) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu-small")
-    parser.add_argument("--mode", choices=["speed", "overhead", "memory", "faults"], default="speed",
+    parser.add_argument("--mode", choices=["speed", "overhead", "memory", "faults", "sweep"], default="speed",
                         help="speed: time to the baseline's eval loss; overhead: hybrid with prediction off; memory: "
                              "the same steps in both arms, the hybrid forced to predict as often as it can (CUDA peak "
-                             "memory curve); faults: clean Trainer, Trainer and hybrid with injected faults")
+                             "memory curve); faults: clean Trainer, Trainer and hybrid with injected faults; sweep: "
+                             "the Trainer alone at each of --learning_rates (the baseline's tuning)")
+    parser.add_argument("--arms", default="baseline,hybrid",
+                        help="speed mode: the arms after the baseline, from hybrid and ema (the Trainer, evaluated on "
+                             f"an exponential moving average of its weights, decay {EMA_DECAY})")
+    parser.add_argument("--learning_rate", type=float, default=0.0, help="override the preset's, in every arm")
+    parser.add_argument("--learning_rates", default="", help="sweep mode: comma-separated learning rates")
     parser.add_argument("--faults", default="window,spike,nan",
                         help="faults mode: which faults to inject, from window, spike, nan")
     parser.add_argument("--repeats", type=int, default=2, help="baseline/hybrid pairs, run alternately")
@@ -404,14 +523,19 @@ def main() -> None:
     if args.mode == "memory":
         overrides.update(hybrid_confidence_threshold=0.0, hybrid_payoff_check=False)
     root = Path(args.output_dir) / f"{args.preset}-{args.mode}"
-    baselines, hybrids = [], []
+    if args.mode == "sweep":
+        return sweep(args, root)
+    baselines, hybrids, averages = [], [], []
     for r in range(args.repeats):
         base = launch("baseline", args, root / f"baseline-{r}", target=None, overrides={})
         target = base.evals[-1][2]
+        baselines.append(base)
+        if "ema" in args.arms.split(","):
+            averages.append(launch("ema", args, root / f"ema-{r}", target=None, overrides={}))
+            print(f"[pair {r}] weight average: eval {averages[-1].evals[-1][2]:.4f}", flush=True)
         # Outside the speed mode both arms run the same steps; in it the hybrid chases the target.
         hyb = launch("hybrid", args, root / f"hybrid-{r}", target=target if args.mode == "speed" else None,
                      overrides=overrides)
-        baselines.append(base)
         hybrids.append(hyb)
         print(f"[pair {r}] baseline {base.train_seconds:.1f}s eval {target:.4f} | hybrid {hyb.train_seconds:.1f}s "
               f"eval {hyb.evals[-1][2]:.4f} reached={hyb.reached_step}", flush=True)
@@ -423,6 +547,10 @@ def main() -> None:
               "targets": targets, "overrides": overrides, "preset_settings": PRESETS[args.preset],
               "baseline": [summarize(b, t) for b, t in zip(baselines, targets)],
               "hybrid": [summarize(h, t) for h, t in zip(hybrids, targets)]}
+    if averages:
+        report["ema"] = [summarize(a, t) for a, t in zip(averages, targets)]
+        report["ema_speedups"] = [b["time_to_target"] / a["time_to_target"] if a["time_to_target"] else None
+                                  for b, a in zip(report["baseline"], report["ema"])]
     if args.mode == "memory":
         report["memory_curves"] = {"baseline": [b.memory_curve for b in baselines],
                                    "hybrid": [h.memory_curve for h in hybrids]}
@@ -441,6 +569,22 @@ def main() -> None:
     (root / "report.json").write_text(json.dumps(report, indent=2))
     print_table(report)
     plot(root, baselines[0], hybrids[0], target)
+
+
+def sweep(args, root: Path) -> None:
+    """The Trainer alone at each learning rate: the baseline's tuning, recorded before any A/B."""
+    rows = []
+    for lr in (float(x) for x in args.learning_rates.split(",")):
+        arm = launch("baseline", args, root / f"lr-{lr:g}", target=None, overrides={}, learning_rate=lr)
+        rows.append({"learning_rate": lr, "final_eval_loss": arm.evals[-1][2], "best_eval_loss": min(
+            e[2] for e in arm.evals), "train_seconds": arm.train_seconds, "evals": arm.evals})
+    best = min(rows, key=lambda row: row["final_eval_loss"])
+    (root / "sweep.json").write_text(json.dumps({"preset": args.preset, "seed": args.seed, "runs": rows,
+                                                 "best_learning_rate": best["learning_rate"]}, indent=2))
+    print(f"\n{args.preset} learning-rate sweep, seed {args.seed} (final eval loss):")
+    for row in rows:
+        print(f"  lr {row['learning_rate']:<8g} {row['final_eval_loss']:.4f}{'  <- best' if row is best else ''}")
+    print(f"wrote {root / 'sweep.json'}")
 
 
 def print_table(report: dict) -> None:
@@ -498,6 +642,11 @@ def print_table(report: dict) -> None:
         speedups = ", ".join("not reached" if s is None else f"{s:.2f}x" for s in report["speedups"])
         median = report["speedup_median"]
         print(f"time-to-target speedup: {'-' if median is None else f'{median:.2f}x'} (pairs: {speedups})")
+    if "ema" in report:
+        ema = report["ema"][0]
+        speedups = ", ".join("not reached" if s is None else f"{s:.2f}x" for s in report["ema_speedups"])
+        print(f"weight average (EMA {EMA_DECAY}): final eval loss {ema['final_eval_loss']:.4f}, time-to-target "
+              f"speedup over the Trainer: {speedups}")
 
 
 def print_memory(report: dict) -> None:

@@ -20,17 +20,19 @@ def lab(*args: str) -> str:
 def test_record_nowcaster_oracle_and_split(tmp_path):
     traj, net = tmp_path / "traj.pt", tmp_path / "nowcaster.pt"
     lab("record", "--steps", "40", "--every", "5", "--optimizer_at", "20", "--out", str(traj))
-    fit = json.loads(lab("nowcaster", "--trajectories", str(traj), "--horizon", "5", "--per_step", "500",
-                         "--epochs", "2", "--out", str(net)).strip().splitlines()[-1])
-    assert fit["val_mse"] < fit["zero_mse"]  # it learned something about where weights go
+    fit = json.loads(lab("nowcaster", "--trajectories", str(traj), "--horizon", "5", "--spacing", "5", "--ctx", "3",
+                         "--per_step", "500", "--epochs", "2", "--held_out", str(traj), "--out",
+                         str(net)).strip().splitlines()[-1])
+    assert fit["validation"]["mse"] < fit["validation"]["zero_mse"]  # it learned something about where weights go
     report = tmp_path / "oracle.json"
-    lab("oracle", "--trajectory", str(traj), "--at", "20,30", "--nowcaster", str(net), "--train_on", "mean20",
-        "--report", str(report))
+    lab("oracle", "--trajectory", str(traj), "--at", "20,30", "--nowcaster", str(net), "--train_on",
+        "mean20,line10x3+10", "--spacing", "10", "--ctx", "3", "--horizons", "10,20", "--report", str(report))
     rows = json.loads(report.read_text())
     names = {r["candidate"] for r in rows if r["step"] == 30 and "trained_to" not in r}
-    assert {"iterate", "mean20", "line20@now", "line20+10", "nowcast+5"} <= names
+    assert {"iterate", "mean20", "line20@now", "line20+10", "nowcast5x3+5", "mean10x3", "line10x3+20"} <= names
     trained = [r for r in rows if "trained_to" in r]
-    assert [r["trained_to"] for r in trained] == [30, 40]
+    assert [(r["candidate"], r["trained_to"]) for r in trained] == [("mean20", 30), ("mean20", 40),
+                                                                     ("line10x3+10", 30), ("line10x3+10", 40)]
     split_report = tmp_path / "split.json"
     lab("split", "--steps", "4", "--eval_every", "2", "--split_from", "0", "--report", str(split_report))
     arms = json.loads(split_report.read_text())
