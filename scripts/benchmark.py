@@ -64,12 +64,12 @@ PRESETS = {
 FINETUNE = dict(
     pretrained="runs/pretrained/gpt2-cpu-shakespeare", pretrain_recipe="recipes/configs/gpt2-cpu-pretrain.yaml",
     corpus="transformers-docs", block_size=64, batch_size=8, grad_accum=1, max_steps=400, eval_steps=40,
-    eval_blocks=128, learning_rate=1e-3, warmup_steps=20, weight_decay=0.0, optim="adamw_torch", bf16=False,
+    eval_blocks=128, learning_rate=3e-3, warmup_steps=20, weight_decay=0.0, optim="adamw_torch", bf16=False,
     scheduler="linear", hybrid=dict(),
 )
 PRESETS.update({
     "cpu-finetune": FINETUNE,
-    "cpu-lora": dict(FINETUNE, learning_rate=3e-3,
+    "cpu-lora": dict(FINETUNE, learning_rate=1e-2,
                      lora=dict(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=["c_attn", "c_proj", "c_fc"])),
     # Pretraining from scratch over a long horizon with a warmup-stable-decay schedule (the last 20% decays), where a
     # long-horizon nowcast has the stable phase to jump in. Narrower than cpu-small so that 3000 steps take minutes.
