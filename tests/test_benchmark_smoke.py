@@ -10,10 +10,15 @@ from pathlib import Path
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "benchmark.py"
 
 
-def test_benchmark_smoke_writes_report_and_plot(tmp_path):
-    cmd = [sys.executable, str(SCRIPT), "--preset", "smoke", "--repeats", "1", "--output_dir", str(tmp_path)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+def run(*args: str) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, str(SCRIPT), "--preset", "smoke", *args], capture_output=True, text=True,
+                          timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def test_benchmark_smoke_writes_report_and_plot(tmp_path):
+    done = run("--repeats", "1", "--arms", "hybrid,ema", "--output_dir", str(tmp_path))
     root = tmp_path / "smoke-speed"
     report = json.loads((root / "report.json").read_text())
     baseline, hybrid = report["baseline"][0], report["hybrid"][0]
@@ -25,3 +30,16 @@ def test_benchmark_smoke_writes_report_and_plot(tmp_path):
     assert len(report["speedups"]) == 1
     assert "time-to-target speedup" in done.stdout and "backward reduction" in done.stdout
     assert (root / "eval_loss_vs_wallclock.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The averaging arm trains exactly as the baseline does, and is evaluated on its weights' average.
+    ema = report["ema"][0]
+    assert ema["steps"] == baseline["steps"] and len(ema["evals"]) == len(baseline["evals"])
+    assert ema["final_eval_loss"] != baseline["final_eval_loss"]
+    assert len(report["ema_speedups"]) == 1 and "weight average" in done.stdout
+
+
+def test_sweep_runs_the_trainer_at_each_learning_rate(tmp_path):
+    run("--mode", "sweep", "--learning_rates", "1e-4,3e-3", "--output_dir", str(tmp_path))
+    sweep = json.loads((tmp_path / "smoke-sweep" / "sweep.json").read_text())
+    finals = {row["learning_rate"]: row["final_eval_loss"] for row in sweep["runs"]}
+    assert set(finals) == {1e-4, 3e-3} and finals[1e-4] != finals[3e-3]
+    assert sweep["best_learning_rate"] == min(finals, key=finals.get)
