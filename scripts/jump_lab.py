@@ -174,7 +174,7 @@ def candidates(snaps: torch.Tensor, i: int, every: int, nowcaster=None, long: tu
     out = {"iterate": snaps[i]}
     for window_steps in (20, 40, 80):
         n = window_steps // every + 1
-        if i + 1 < n:
+        if n < 2 or i + 1 < n:  # a window of one snapshot has no line through it
             continue
         window = snaps[i + 1 - n: i + 1]
         out[f"mean{window_steps}"] = window.mean(0)
