@@ -16,6 +16,7 @@ applied updates (for the hybrid, predicted steps do not count). Writes JSON and 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -157,36 +158,30 @@ class WeightAverage:
     start."""
 
     def __init__(self, model, decay: float) -> None:
-        import torch
-
         self.decay, self.updates = decay, 0
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.average = [p.detach().float().clone() for p in self.params]
-        self.torch = torch
 
     def update(self) -> None:
+        import torch
+
         self.updates += 1
         decay = min(self.decay, (1 + self.updates) / (10 + self.updates))
-        with self.torch.no_grad():
-            self.torch._foreach_lerp_(self.average, [p.float() for p in self.params], 1 - decay)
+        with torch.no_grad():
+            torch._foreach_lerp_(self.average, [p.float() for p in self.params], 1 - decay)
 
+    @contextlib.contextmanager
     def swapped_in(self):
-        import contextlib
+        import torch
 
-        @contextlib.contextmanager
-        def swap():
-            kept = [p.detach().clone() for p in self.params]
-            with self.torch.no_grad():
-                for p, a in zip(self.params, self.average):
-                    p.copy_(a)
-            try:
-                yield
-            finally:
-                with self.torch.no_grad():
-                    for p, k in zip(self.params, kept):
-                        p.copy_(k)
-
-        return swap()
+        kept = [p.detach().clone() for p in self.params]
+        with torch.no_grad():
+            torch._foreach_copy_(self.params, [a.to(p.dtype) for p, a in zip(self.params, self.average)])
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                torch._foreach_copy_(self.params, kept)
 
 
 def run_arm(arm: str, preset: dict, out_dir: Path, seed: int, hybrid_overrides: dict, budget: float,
