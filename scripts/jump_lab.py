@@ -168,7 +168,7 @@ def line_fit(window: torch.Tensor, at: float) -> torch.Tensor:
     return window.mean(0) + slope * (at - xm)
 
 
-def candidates(snaps: torch.Tensor, i: int, every: int, nowcaster=None, long: tuple = ()) -> dict[str, torch.Tensor]:
+def candidates(snaps: torch.Tensor, i: int, every: int, long: tuple = ()) -> dict[str, torch.Tensor]:
     """Jump targets at snapshot `i`. `long`: (spacing, ctx, horizons) for line fits through `ctx` states `spacing`
     steps apart, extrapolated `horizons` steps ahead (a long-horizon nowcast from widely spaced states)."""
     out = {"iterate": snaps[i]}
@@ -188,8 +188,6 @@ def candidates(snaps: torch.Tensor, i: int, every: int, nowcaster=None, long: tu
             out[f"mean{spacing}x{ctx}"] = states.mean(0)
             for ahead in horizons:
                 out[f"line{spacing}x{ctx}+{ahead}"] = line_fit(states, ctx - 1 + ahead / spacing)
-    if nowcaster is not None:
-        out.update(nowcaster(snaps, i, every))
     return out
 
 
@@ -326,7 +324,7 @@ def oracle(args) -> None:
     rows = []
     for t in (int(s) for s in args.at.split(",")):
         i = t // every
-        found = candidates(snaps, i, every, None, long)
+        found = candidates(snaps, i, every, long)
         for nowcast in nowcasts:
             found.update(nowcast(snaps, i, every))
         for name, weights in found.items():
@@ -348,7 +346,7 @@ def train_on(args, traj, model, train, held_out, long, nowcasts) -> list[dict]:
     rows = []
     for t, state in sorted(traj["optimizer_states"].items()):
         i = t // every
-        found = candidates(snaps, i, every, None, long)
+        found = candidates(snaps, i, every, long)
         for nowcast in nowcasts:
             found.update(nowcast(snaps, i, every))
         for name in args.train_on.split(","):
