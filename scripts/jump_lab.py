@@ -191,6 +191,14 @@ def candidates(snaps: torch.Tensor, i: int, every: int, long: tuple = ()) -> dic
     return out
 
 
+def jump_targets(snaps: torch.Tensor, i: int, every: int, long: tuple, nowcasts: list) -> dict[str, torch.Tensor]:
+    """`candidates`, plus each loaded nowcaster's forecasts."""
+    found = candidates(snaps, i, every, long)
+    for nowcast in nowcasts:
+        found.update(nowcast(snaps, i, every))
+    return found
+
+
 def spaced_states(snaps: torch.Tensor, i: int, stride: int, ctx: int) -> torch.Tensor | None:
     """`ctx` snapshots `stride` apart ending at `i`, oldest first; None before there are enough."""
     first = i - (ctx - 1) * stride
@@ -324,9 +332,7 @@ def oracle(args) -> None:
     rows = []
     for t in (int(s) for s in args.at.split(",")):
         i = t // every
-        found = candidates(snaps, i, every, long)
-        for nowcast in nowcasts:
-            found.update(nowcast(snaps, i, every))
+        found = jump_targets(snaps, i, every, long, nowcasts)
         for name, weights in found.items():
             vector_to_parameters(weights, trainable(model))
             loss = held_out_loss(model, held_out)
@@ -346,9 +352,7 @@ def train_on(args, traj, model, train, held_out, long, nowcasts) -> list[dict]:
     rows = []
     for t, state in sorted(traj["optimizer_states"].items()):
         i = t // every
-        found = candidates(snaps, i, every, long)
-        for nowcast in nowcasts:
-            found.update(nowcast(snaps, i, every))
+        found = jump_targets(snaps, i, every, long, nowcasts)
         for name in args.train_on.split(","):
             vector_to_parameters(found[name], trainable(model))
             optimizer = make_optimizer(model)
