@@ -12,8 +12,12 @@ values are caught from the first step.
 Reaction, escalating (OLMo-core's SkipStepOptimizer and PaLM's restarts, in one ladder):
 - SKIP: the step's update is vetoed and its batch dropped. An outlier alone says nothing about the
   weights: a bad batch looks the same. So the last accepted batch is measured again at the current
-  weights (`judge_weights`). If it is flagged too, the weights are damaged (by an update that looked
-  fine when it was taken), and the skip becomes a rollback.
+  weights (`judge_weights`). If its loss is flagged too (or is not finite), the weights are damaged (by
+  an update that looked fine when it was taken), and the skip becomes a rollback. A flagged gradient
+  norm at an ordinary loss does not convict the weights: it marks a sharp region, which the next steps
+  leave. Measured on cpu-long (docs/benchmarks.md, run 45): at the end of the LR warmup the gradient
+  norm jumped 10x for 13 steps while the loss stayed in range; convicting the weights on it rolled back
+  37 good updates.
 - ROLLBACK: back to the last good snapshot, taken before the update of an accepted step. Also when
   outliers persist for `max_skips` steps in a row.
 - STOP: a rollback is needed and `max_rollbacks` have already happened, or there is no snapshot to go back to.
@@ -128,10 +132,10 @@ class StepGuard:
         return None
 
     def judge_weights(self, event: GuardEvent, reference_loss: float, reference_grad_norm: float | None) -> None:
-        """The last accepted batch's loss and gradient norm at the current weights. Flagged too: the weights, not
-        the batch, are bad, and only a rollback helps."""
+        """The last accepted batch's loss and gradient norm at the current weights. Its loss flagged too, or either
+        value not finite: the weights, not the batch, are bad, and only a rollback helps."""
         reference = self._flag(event.step, reference_loss, reference_grad_norm)
-        if reference is not None and event.action is Action.SKIP:
+        if reference is not None and reference.signal != "grad_norm" and event.action is Action.SKIP:
             event.signal, event.value, event.bound = f"weights ({reference.signal})", reference.value, reference.bound
             event.action = Action.ROLLBACK
 

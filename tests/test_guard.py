@@ -93,12 +93,16 @@ def test_guard_escalates_from_skip_to_rollback_to_stop():
     guard.escalate(event, has_snapshot=True)
     assert event.action is Action.SKIP
     event = guard.check(17, 20.0, 1.0)
-    guard.judge_weights(event, 4.01, 30.0)  # the last good batch is flagged too: damaged weights
+    guard.judge_weights(event, 4.01, 30.0)  # a steep gradient at an ordinary loss: a sharp region, not damage
     guard.escalate(event, has_snapshot=True)
-    assert (event.action, event.signal, guard.rollbacks) == (Action.ROLLBACK, "weights (grad_norm)", 1)
-    for step in (18, 19):
+    assert (event.action, event.signal, guard.rollbacks) == (Action.SKIP, "loss", 0)
+    event = guard.check(18, 20.0, 1.0)
+    guard.judge_weights(event, 15.0, 1.0)  # the last good batch's loss is flagged too: damaged weights
+    guard.escalate(event, has_snapshot=True)
+    assert (event.action, event.signal, guard.rollbacks) == (Action.ROLLBACK, "weights (loss)", 1)
+    for step in (19, 20):
         assert guard.check(step, 20.0, 1.0).action is Action.SKIP
-    event = guard.check(20, 20.0, 1.0)  # the third outlier in a row since the rollback: persistence
+    event = guard.check(21, 20.0, 1.0)  # the third outlier in a row since the rollback: persistence
     assert event.action is Action.ROLLBACK
     guard.escalate(event, has_snapshot=True)
     assert event.action is Action.STOP  # one rollback allowed
