@@ -85,7 +85,7 @@ def test_guard_flags_upward_outliers_and_non_finite_values_only():
 
 
 def test_guard_escalates_from_skip_to_rollback_to_stop():
-    guard = StepGuard(window=16, threshold=6.0, max_skips=3, max_rollbacks=1, min_steps=8)
+    guard = StepGuard(window=16, threshold=6.0, max_skips=4, max_rollbacks=1, min_steps=8)
     for step in range(16):
         guard.check(step, 4.0 + 0.01 * (step % 3), 1.0)
     event = guard.check(16, 20.0, 1.0)
@@ -100,9 +100,9 @@ def test_guard_escalates_from_skip_to_rollback_to_stop():
     guard.judge_weights(event, 15.0, 1.0)  # the last good batch's loss is flagged too: damaged weights
     guard.escalate(event, has_snapshot=True)
     assert (event.action, event.signal, guard.rollbacks) == (Action.ROLLBACK, "weights (loss)", 1)
-    for step in (19, 20):
+    for step in (19, 20, 21):
         assert guard.check(step, 20.0, 1.0).action is Action.SKIP
-    event = guard.check(21, 20.0, 1.0)  # the third outlier in a row since the rollback: persistence
+    event = guard.check(22, 20.0, 1.0)  # the fourth outlier in a row since the rollback: persistence
     assert event.action is Action.ROLLBACK
     guard.escalate(event, has_snapshot=True)
     assert event.action is Action.STOP  # one rollback allowed
