@@ -91,7 +91,8 @@ class HybridTrainingArguments(TrainingArguments):
             Accepted steps whose loss and gradient norm make up the guard's running statistics.
         hybrid_guard_threshold (`float`, defaults to `6.0`):
             A loss or gradient norm more than this many robust standard deviations (1.4826 x the median absolute
-            deviation) above the window's median is an outlier. The gradient norm is compared in log scale.
+            deviation) above the window's median is an outlier. The gradient norm is compared in log scale, and
+            only when the Trainer does not clip gradients (`max_grad_norm` 0): a clipped step is already bounded.
         hybrid_guard_max_skips (`int`, defaults to `25`):
             Outlier steps in a row after which the guard rolls back rather than skip again.
         hybrid_guard_snapshot_steps (`int`, defaults to `50`):

@@ -437,7 +437,8 @@ class HybridMixin:
             return
         self._guard = StepGuard(window=settings.hybrid_guard_window, threshold=settings.hybrid_guard_threshold,
                                 max_skips=settings.hybrid_guard_max_skips,
-                                max_rollbacks=settings.hybrid_guard_max_rollbacks)
+                                max_rollbacks=settings.hybrid_guard_max_rollbacks,
+                                grad_norm_outliers=not self.args.max_grad_norm)
         self._guard_snapshot = TrainingSnapshot()
         if "guard" in saved:  # absent from checkpoints written before the guard, or by a run without it
             self._guard.load_state_dict(saved["guard"]["stats"])

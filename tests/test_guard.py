@@ -84,6 +84,15 @@ def test_guard_flags_upward_outliers_and_non_finite_values_only():
     assert guard.outliers == 4 and guard.consecutive_skips == 4
 
 
+def test_with_clipped_gradients_only_a_non_finite_gradient_norm_is_an_outlier():
+    guard = StepGuard(window=32, threshold=6.0, min_steps=8, grad_norm_outliers=False)
+    for step in range(16):
+        assert guard.check(step, 5.0 + 0.01 * (step % 3), 1.0) is None
+    assert guard.check(16, 5.0, 50.0) is None  # the Trainer's clip bounds this step already
+    assert guard.check(17, 5.0, float("inf")).signal == "non-finite grad_norm"
+    assert guard.check(18, 9.0, 1.0).signal == "loss"
+
+
 def test_guard_escalates_from_skip_to_rollback_to_stop():
     guard = StepGuard(window=16, threshold=6.0, max_skips=4, max_rollbacks=1, min_steps=8)
     for step in range(16):
