@@ -345,7 +345,9 @@ def oracle(args) -> None:
 
 
 def train_on(args, traj, model, train, held_out, long, nowcasts) -> list[dict]:
-    """From a jumped point with the optimizer state of that step, train on: is the gain kept?"""
+    """From a jumped point with the optimizer state of that step, train on: is the gain kept? With `--advance k`
+    the jump is kept the way the trainer keeps one: the step count, the schedule and the data move on by k, so the
+    run has made k real steps fewer at every step after it. `gain_steps` counts real steps saved."""
     snaps, curve, every = traj["snaps"], traj["curve"], traj["every"]
     PRESET["batch_size"] = traj.get("batch_size", PRESET["batch_size"])  # train on with the recorded batches
     order = batch_order(len(train), len(curve) * every, traj["seed"])
@@ -363,12 +365,13 @@ def train_on(args, traj, model, train, held_out, long, nowcasts) -> list[dict]:
                 if step % 10 == 0 and step % args.eval_every == 0:
                     after[step] = held_out_loss(model, held_out)
 
-            train_steps(model, optimizer, train, order, t, min(t + args.train_for, (len(curve) - 1) * every),
-                        on_step)
+            start = t + args.advance
+            train_steps(model, optimizer, train, order, start,
+                        min(start + args.train_for, (len(curve) - 1) * every), on_step)
             for step, loss in after.items():
-                rows.append({"step": t, "candidate": name, "trained_to": step, "loss": round(loss, 4),
-                             "baseline_loss": round(curve[step // every], 4),
-                             "gain_steps": round(equivalent_step(curve, every, loss) - step, 1)})
+                rows.append({"step": t, "candidate": name, "advance": args.advance, "trained_to": step,
+                             "loss": round(loss, 4), "baseline_loss": round(curve[step // every], 4),
+                             "gain_steps": round(equivalent_step(curve, every, loss) - (step - args.advance), 1)})
                 print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -435,6 +438,8 @@ def main() -> None:
     orc.add_argument("--train_on", default="", help="candidates to train on from, e.g. mean40,line40+20")
     orc.add_argument("--train_for", type=int, default=40, help="steps trained on from each --train_on candidate")
     orc.add_argument("--eval_every", type=int, default=10, help="held-out evaluations while training on (steps)")
+    orc.add_argument("--advance", type=int, default=0,
+                     help="train on from step + this, as a kept jump of this many steps would (schedule and data)")
     orc.add_argument("--nowcaster", nargs="*", default=[])
     orc.add_argument("--spacing", type=int, default=40, help="long-horizon line fits: steps between states")
     orc.add_argument("--ctx", type=int, default=5, help="long-horizon line fits: states")

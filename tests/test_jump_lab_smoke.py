@@ -33,6 +33,12 @@ def test_record_nowcaster_oracle_and_split(tmp_path):
     trained = [r for r in rows if "trained_to" in r]
     assert [(r["candidate"], r["trained_to"]) for r in trained] == [("mean20", 30), ("mean20", 40),
                                                                      ("line10x3+10", 30), ("line10x3+10", 40)]
+    # A kept jump of 10 steps with no move at all: 10 real steps fewer by step 40, early on, cost loss.
+    lab("oracle", "--trajectory", str(traj), "--at", "20", "--train_on", "iterate", "--advance", "10",
+        "--report", str(report))
+    (advanced,) = [r for r in json.loads(report.read_text()) if "trained_to" in r]
+    assert (advanced["advance"], advanced["trained_to"]) == (10, 40)
+    assert advanced["loss"] > advanced["baseline_loss"] and advanced["gain_steps"] < 0
     split_report = tmp_path / "split.json"
     lab("split", "--steps", "4", "--eval_every", "2", "--split_from", "0", "--report", str(split_report))
     arms = json.loads(split_report.read_text())
