@@ -19,6 +19,7 @@ from torch import Tensor
 from .controller import PHASE_IDS, ControllerConfig, Phase, PhaseController
 from .divergence import DivergenceMonitor
 from .dynamics import LossDynamicsModel
+from .epoch_seed import EpochSeedDraw
 from .memory import OptimizerStateOffloader
 from .payoff import PayoffMeter
 from .predictors import PREDICTORS
@@ -68,6 +69,7 @@ class HybridEngine:
         self.predictor = predictor_cls(params, optimizer, **kwargs)
         self.snapshot = WeightSnapshot(on_host=settings.hybrid_offload_snapshot)
         self.replay = BatchReplay()
+        self.epoch_seed = EpochSeedDraw()
         self.offloader = OptimizerStateOffloader(optimizer) if settings.hybrid_offload_optimizer_state else None
         self._anchor: list[Tensor] | None = None  # parameters before a real optimizer step, while it runs
         # On an accelerator the anchor is freed after each step: the caching allocator hands the same blocks back,
@@ -119,7 +121,11 @@ class HybridEngine:
     def next_batches(self, fresh: Unit) -> Unit:
         """The batches for the next optimizer step: a rolled-back jump's come back first (see replay.py)."""
         c = self.controller
-        return self.replay.hand_out(fresh, new_jump=c.phase is Phase.PREDICT and c.steps_in_phase == 0)
+        if self.epoch_seed.epoch_starting:
+            self.epoch_seed.first_fetch(fresh)
+        unit = self.replay.hand_out(fresh, new_jump=c.phase is Phase.PREDICT and c.steps_in_phase == 0)
+        self.epoch_seed.handing_out(unit, real_step=c.phase is not Phase.PREDICT)
+        return unit
 
     @property
     def starts_prediction(self) -> bool:

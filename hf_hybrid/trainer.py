@@ -62,6 +62,10 @@ class _HybridStepHooks(TrainerCallback):
     def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
         self.trainer._hybrid_train_begin(train_dataloader)
 
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        if self.trainer._hybrid is not None:  # just before the Trainer makes the epoch's DataLoader iterator
+            self.trainer._hybrid.epoch_seed.epoch_begins()
+
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         self.trainer._hybrid_before_optimizer_step()
 

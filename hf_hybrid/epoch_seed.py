@@ -1,0 +1,60 @@
+"""The DataLoader's epoch seed draw, made where the Trainer makes it.
+
+Each epoch's DataLoader iterator draws its seeds from the global RNG, which on CPU is also the dropout RNG. The
+hybrid fetches batches ahead of its real steps by the units that rolled-back jumps gave back (replay.py), so it
+creates the next epoch's iterator that many real steps early, and every dropout mask after that differs from the
+Trainer's. On cpu-long this alone made the hybrid miss the Trainer's final loss by 0.0003-0.0015 after 2850
+identical real steps (docs/benchmarks.md, run 46).
+
+So the draw is undone when the epoch's first batch is fetched, and made again just before that batch goes to a
+real step: that is where the Trainer made it. The draw is re-made, not restored from a saved state, so it is only
+deferred when re-making it reproduces exactly the state the iterator left; otherwise nothing changes (a resumed
+run's RNG load, an unknown sampler). A rollback restores the RNG from before the draw and gives the epoch's first
+batch back, so the draw is made again when that batch is trained on. Not carried in checkpoints: a run saved
+while a draw is deferred resumes without it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MAX_DRAWS = 4  # the iterator's base and shared seeds, and a RandomSampler's own seed
+
+
+def _draw() -> None:
+    torch.empty((), dtype=torch.int64).random_()  # what torch.utils.data draws for each seed
+
+
+class EpochSeedDraw:
+    def __init__(self) -> None:
+        self.before: torch.Tensor | None = None  # the CPU RNG state when the epoch began, until its first fetch
+        self.draws = 0
+        self.first_unit: object | None = None
+
+    def epoch_begins(self) -> None:
+        self.before = torch.get_rng_state()
+
+    def first_fetch(self, unit: object) -> None:
+        """The epoch's first unit was just fetched: undo the iterator's seed draws, to be made again later."""
+        before, self.before = self.before, None
+        after = torch.get_rng_state()
+        if before is None or torch.equal(before, after):
+            return
+        torch.set_rng_state(before)
+        for draws in range(1, MAX_DRAWS + 1):
+            _draw()
+            if torch.equal(torch.get_rng_state(), after):
+                torch.set_rng_state(before)
+                self.draws, self.first_unit = draws, unit
+                return
+        torch.set_rng_state(after)
+
+    def handing_out(self, unit: object, real_step: bool) -> None:
+        """Before `unit` trains: the deferred draws, if it is the epoch's first unit and the step is real."""
+        if real_step and unit is self.first_unit:
+            for _ in range(self.draws):
+                _draw()
+
+    @property
+    def epoch_starting(self) -> bool:
+        return self.before is not None
