@@ -57,6 +57,13 @@ class ControllerConfig:
     max_rejections: int = 3
     confidence_interval: int = 10
 
+    @classmethod
+    def from_settings(cls, settings) -> ControllerConfig:
+        """From the `hybrid_*` fields of `HybridTrainingArguments`."""
+        names = ("warmup_steps", "full_steps", "min_predict_steps", "max_predict_steps", "correct_steps",
+                 "confidence_threshold", "max_consecutive_predicts", "max_rejections")
+        return cls(**{name: getattr(settings, f"hybrid_{name}") for name in names})
+
     def __post_init__(self) -> None:
         if self.warmup_steps < 0 or self.correct_steps < 0:
             raise ValueError("warmup_steps and correct_steps must be >= 0")

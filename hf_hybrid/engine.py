@@ -1,11 +1,12 @@
 """The hybrid engine: one optimizer step at a time, the parts work together here.
 
-The Trainer subclass calls it at fixed points of its loop (see trainer.py); the engine owns the
-parameters' undo snapshot, the predictor, the dynamics model, the divergence and payoff monitors and
-the phase controller, and turns their verdicts into tensor operations.
+The Trainer subclass calls it at fixed points of its loop (see trainer.py). The engine owns the predictor, the
+dynamics model, the divergence and payoff monitors and the phase controller, keeps the step's bookkeeping, and turns
+their verdicts into tensor operations; the jump's life cycle is in jump.py, the measuring of real updates for the
+predictor in predictor_feed.py.
 
-Rank safety: the only rank-local numbers are the micro-batch losses, and they are averaged across
-ranks (one small all-reduce per optimizer step, shared with the gradient norm) before any decision.
+Rank safety: the only rank-local numbers are the micro-batch losses, and they are averaged across ranks (one small
+all-reduce per optimizer step, shared with the gradient norm) before any decision.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ from .controller import PHASE_IDS, ControllerConfig, Phase, PhaseController
 from .divergence import DivergenceMonitor
 from .dynamics import LossDynamicsModel
 from .epoch_seed import EpochSeedDraw
+from .jump import JumpLifecycle
 from .memory import OptimizerStateOffloader
 from .payoff import PayoffMeter
+from .predictor_feed import PredictorFeed
 from .predictors import PREDICTORS
 from .predictors.base import local_shard
 from .replay import BatchReplay, Unit
@@ -40,25 +43,14 @@ class StepRecord:
     undone_steps: int = 0  # optimizer steps, this one included, that its rollback undid
 
 
-class HybridEngine:
+class HybridEngine(JumpLifecycle, PredictorFeed):
     def __init__(self, settings, params: list[Tensor], optimizer: torch.optim.Optimizer, seed: int = 0) -> None:
         if not params:
             raise ValueError("hybrid training needs at least one trainable parameter; the model has none")
         self.settings = settings
         self.params = params
         self.optimizer = optimizer
-        self.controller = PhaseController(
-            ControllerConfig(
-                warmup_steps=settings.hybrid_warmup_steps,
-                full_steps=settings.hybrid_full_steps,
-                min_predict_steps=settings.hybrid_min_predict_steps,
-                max_predict_steps=settings.hybrid_max_predict_steps,
-                correct_steps=settings.hybrid_correct_steps,
-                confidence_threshold=settings.hybrid_confidence_threshold,
-                max_consecutive_predicts=settings.hybrid_max_consecutive_predicts,
-                max_rejections=settings.hybrid_max_rejections,
-            )
-        )
+        self.controller = PhaseController(ControllerConfig.from_settings(settings))
         self.monitor = DivergenceMonitor(
             band_sigmas=settings.hybrid_loss_band, grad_explosion_factor=settings.hybrid_grad_explosion_factor
         )
@@ -105,18 +97,10 @@ class HybridEngine:
         return self.record.phase if self.record is not None else self.controller.phase
 
     def begin_step(self, step: int) -> None:
-        """At the first micro-batch of an optimizer step: fix its phase; at a Predict phase's start, keep what
-        is needed to undo it."""
+        """At the first micro-batch of an optimizer step: fix its phase; at a Predict phase's start, open the jump."""
         self.record = StepRecord(step=step, phase=self.controller.phase)
-        if not self.starts_prediction:
-            return
-        if self.offloader is not None:
-            self.offloader.offload()
-        self.snapshot.capture(self._shards())
-        self.jump_start_step = step
-        self.payoff.begin_prediction()
-        # Predicted step k checks the weights after k+1 deltas, about k+2 real steps after the last loss seen.
-        self.band = self.dynamics.forecast(self.controller.planned_predict_steps + 1)
+        if self.starts_prediction:
+            self.open_jump(step)
 
     def next_batches(self, fresh: Unit) -> Unit:
         """The batches for the next optimizer step: a rolled-back jump's come back first (see replay.py)."""
@@ -126,57 +110,6 @@ class HybridEngine:
         unit = self.replay.hand_out(fresh, new_jump=c.phase is Phase.PREDICT and c.steps_in_phase == 0)
         self.epoch_seed.handing_out(unit, real_step=c.phase is not Phase.PREDICT)
         return unit
-
-    @property
-    def starts_prediction(self) -> bool:
-        return self.record.phase is Phase.PREDICT and self.controller.steps_in_phase == 0
-
-    @property
-    def ends_prediction(self) -> bool:
-        return self.record.phase is Phase.PREDICT and self.controller.steps_in_phase + 1 >= (
-            self.controller.planned_predict_steps
-        )
-
-    def apply_prediction(self, lr: float) -> None:
-        self.predictor.apply_(lr)
-
-    def set_probe(self, inputs: dict, loss: float) -> None:
-        """Keep the probe batch and its loss at the weights before the phase's first delta."""
-        self.probe, self.probe_loss = inputs, loss
-        self.payoff.tick_forward()
-
-    def judge_probe(self, loss_after: float) -> bool:
-        """At the end of a Predict phase: keep the jump only if its probe gain beat plain training's."""
-        self.payoff.tick_forward()
-        paid = self.payoff.verdict(self.probe_loss - loss_after)
-        self.probe = self.probe_loss = None
-        if paid:
-            self.controller.reward()
-        else:
-            self.rollback()
-        return paid
-
-    @property
-    def monitored(self) -> bool:
-        """Whether this Predict step runs a forward pass to check the loss."""
-        k = self.controller.steps_in_phase
-        last = k + 1 >= self.controller.planned_predict_steps
-        return last or (k + 1) % self.settings.hybrid_monitor_interval == 0
-
-    def check_predict_step(self, loss: float | None) -> None:
-        """At the end of a Predict step: roll back if the monitored loss left the forecast band."""
-        record = self.record
-        record.loss = loss
-        if loss is not None:
-            k = self.controller.steps_in_phase
-            means, stds = self.band
-            expected = means[k + 1] if k + 1 < len(means) else None
-            spread = stds[k + 1] if k + 1 < len(stds) and math.isfinite(stds[k + 1]) else 0.0
-            # The forecast's own spread widens the band, up to the loss's batch noise.
-            extra = min(spread, 3.0 * self.monitor.loss_sigma)
-            if self.monitor.loss_diverged(loss, expected=expected, extra_sigma=extra):
-                self.rollback()
-        self.payoff.tick_predict(monitored=loss is not None)
 
     def check_real_step(self, loss: float, grad_norm: float | None, lr: float) -> bool:
         """After backward on a real step; returns True when the optimizer step must be vetoed."""
@@ -215,77 +148,11 @@ class HybridEngine:
         first): the predictor's last measured update no longer leads to the current weights."""
         self._measured_last = False
 
-    def rollback(self) -> None:
-        """Undo the Predict phase: last good weights, back to Full."""
-        if self.snapshot.valid:
-            self.snapshot.restore(self._shards())
-            self.snapshot.valid = False
-        self.payoff.cancel()
-        self.replay.give_back()
-        self.probe = self.probe_loss = None
-        self.controller.abort()
-        self.record.rollback = True
-        if self.jump_start_step is not None:
-            self.record.undone_steps = self.record.step - self.jump_start_step + 1
-            self.undone_steps += self.record.undone_steps
-            self.made_up_steps += self.record.undone_steps
-            self.jump_start_step = None
-        if self.controller.retired:
-            self._release()
-
     def _release(self) -> None:
         """Retired: prediction stopped paying, so its parameter-sized buffers are given back for good."""
         self.snapshot.release()
         self.predictor.release()
         self._anchor = self._predicted = None
-
-    @torch.no_grad()
-    def before_optimizer_step(self, lr: float) -> None:
-        """Keep the parameters so the real update can be measured after the step; on a Correct step,
-        also what the predictor would have done from the same state."""
-        if self.offloader is not None:
-            self.offloader.wait()
-        self._predicted = None
-        # A step vetoed under the fp16 GradScaler still reaches here (the scaler skips it later); it has no update to
-        # measure, and after a rollback that retired the predictor, nothing to measure it with.
-        if self.record.rollback or self.record.skipped or not self._measures_update:
-            return
-        if not self._measured_last:
-            self.predictor.restart()
-        shards = self._shards()
-        if self._anchor is None:
-            self._anchor = [torch.empty_like(p) for p in shards]
-        # One multi-tensor kernel per group instead of a launch per parameter: on a GPU, launches dominate.
-        torch._foreach_copy_(self._anchor, shards)
-        if self.record.phase is Phase.CORRECT:
-            self._predicted = [self.predictor.direction(i, p, lr) for i, p in enumerate(shards)]
-
-    @property
-    def _measures_update(self) -> bool:
-        """The real update is needed on Correct steps for the residual, and by a predictor that learns from it in
-        the window before a prediction can start."""
-        if self.record.phase is Phase.CORRECT:
-            return True
-        window = self.predictor.history_steps
-        return self.predictor.uses_updates and (window is None or self.controller.steps_until_predict <= window)
-
-    @torch.no_grad()
-    def after_optimizer_step(self, lr: float) -> None:
-        """Feed the real update to the predictor, after measuring the residual on a Correct step."""
-        measured = self._measures_update
-        # Only a predictor that learns from updates has a gap to restart after.
-        self._measured_last = measured or not self.predictor.uses_updates
-        if not measured:
-            if not self.predictor.uses_updates:
-                self.predictor.observe([], lr)
-            return
-        updates = self._anchor
-        torch._foreach_neg_(updates)
-        torch._foreach_add_(updates, self._shards())  # in place: the anchor buffer now holds (after - before)
-        if self._predicted is not None:
-            self.predictor.measure_residual(updates, self._predicted)
-            self._predicted = None
-        self.predictor.observe(updates, lr)
 
     def end_step(self) -> Phase:
         """After the optimizer step: decide the next step's phase."""
@@ -314,15 +181,6 @@ class HybridEngine:
         self.last_record, self.record = record, None
         return self.controller.phase
 
-    def finish(self) -> None:
-        """At the end of training: a jump still awaiting its probe verdict is undone; offloaded state comes back."""
-        if self.probe is not None and self.snapshot.valid:
-            self.snapshot.restore(self._shards())
-            self.snapshot.valid = False
-            self.probe = self.probe_loss = None
-        if self.offloader is not None and self.offloader.is_offloaded:
-            self.offloader.restore(non_blocking=False)
-
     def _shards(self) -> list[Tensor]:
         """The parameters' local shards (the parameters themselves without FSDP2): everything the engine does to
         weights is element-wise on these, so it needs no communication."""
@@ -347,6 +205,24 @@ class HybridEngine:
             "undone_steps": self.undone_steps,
             "predictions_judged": self.payoff.verdicts,
             "predictions_kept": self.payoff.paid,
+        }
+
+    @staticmethod
+    def plain_stats(steps: int) -> dict:
+        """`stats()` of a run with the hybrid off: every step a plain Full step."""
+        return {
+            "phase_steps": {p.value: (steps if p is Phase.FULL else 0) for p in Phase},
+            "backward_steps": steps,
+            "predict_steps": 0,
+            "backward_reduction": 0.0,
+            "rollbacks": 0,
+            "retired": False,
+            "divergences": 0,
+            "non_finite": 0,
+            "skipped_steps": 0,
+            "undone_steps": 0,
+            "predictions_judged": 0,
+            "predictions_kept": 0,
         }
 
     def log_metrics(self) -> dict[str, float]:

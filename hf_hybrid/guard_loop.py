@@ -1,0 +1,152 @@
+"""The guard at the Trainer's loop: what `StepGuard` (guard.py) decides, carried out on a real training run.
+
+Every real step is judged where its gradient norm is taken, from the same rank-averaged numbers as the engine. A flagged
+step is vetoed at once; what the verdict asks for (skip, roll back to the last snapshot, stop) is carried out at the
+step's end, after the Trainer stepped the schedule. Between flagged steps this room keeps the last known-good training
+state (`TrainingSnapshot`) and the last accepted step's batches, which tell bad weights from bad data.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+from transformers.utils import logging
+
+from .forward_checks import forked_rng
+from .guard import Action, GuardEvent, StepGuard
+from .replay import move_unit
+from .snapshot import TrainingSnapshot
+
+logger = logging.get_logger(__name__)
+
+
+class GuardStoppedError(RuntimeError):
+    """The guard stopped training: a rollback was needed after too many, or with no snapshot to go back to."""
+
+
+class GuardAtLoop:
+    """The guard's state on one rank of a run, and the Trainer-side work of its verdicts."""
+
+    def __init__(self, trainer, saved: dict | None) -> None:
+        settings, engine = trainer.hybrid_settings, trainer._hybrid
+        self.trainer = trainer
+        self.guard = StepGuard(window=settings.hybrid_guard_window, threshold=settings.hybrid_guard_threshold,
+                               max_skips=settings.hybrid_guard_max_skips,
+                               max_rollbacks=settings.hybrid_guard_max_rollbacks,
+                               grad_norm_outliers=not trainer.args.max_grad_norm)
+        self.snapshot = TrainingSnapshot()
+        self.inputs: list[dict] = []  # the micro-batches of the real step under way
+        self.reference: list[dict] | None = None  # the last accepted step's: bad weights or bad data?
+        self.pending: tuple | None = None  # (event, scaler state) until the step's end
+        self.stop_message: str | None = None
+        if saved is not None:
+            self.guard.load_state_dict(saved["stats"])
+            self.snapshot.load_state_dict(saved["snapshot"], engine.params, engine.optimizer)
+            reference = saved["reference"]
+            self.reference = move_unit((reference, None), trainer.args.device)[0] if reference else None
+
+    def add_micro_batch(self, inputs: dict, first: bool) -> None:
+        self.inputs = [inputs] if first else [*self.inputs, inputs]
+
+    def vetoes(self, model, loss: float, grad_norm: float | None) -> bool:
+        """The verdict on a real step; a flagged step is vetoed now and dealt with at the step's end."""
+        trainer, guard, engine = self.trainer, self.guard, self.trainer._hybrid
+        step = trainer.state.global_step
+        event = guard.check(step + 1, loss, grad_norm)
+        jump_open = engine.snapshot.valid
+        if event is None:
+            self.reference = self.inputs
+            snapshot = self.snapshot
+            every = trainer.hybrid_settings.hybrid_guard_snapshot_steps
+            due = every and (not snapshot.valid or step - snapshot.step >= every)
+            # Never inside a jump: the engine may still reject it, and a snapshot would bring it back. Not before the
+            # optimizer has state either: AdamW creates it at its first step, and a resumed run has it from the start.
+            if due and not jump_open and engine.optimizer.state:
+                snapshot.capture(step, engine.made_up_steps, engine.params, engine.optimizer,
+                                 trainer._hybrid_steps.schedule_state())
+            return False
+        if jump_open:
+            event.action = Action.SKIP  # the engine rolls the jump back, to weights known to be good
+        elif event.action is Action.SKIP and self.reference is not None:
+            guard.judge_weights(event, *trainer._hybrid_reduce(*self._reference_signals(model)))
+        guard.escalate(event, has_snapshot=self.snapshot.valid)
+        engine.record.loss = loss
+        non_finite = not math.isfinite(loss) or (grad_norm is not None and not math.isfinite(grad_norm))
+        engine.skip_step(non_finite)
+        scaler = trainer.accelerator.scaler
+        # A finite outlier leaves the fp16 loss scale alone; an overflow lowers it, as the scaler would anyway.
+        scaler_state = scaler.state_dict() if scaler is not None and not non_finite else None
+        self.pending = (event, scaler_state)
+        return True
+
+    def _reference_signals(self, model) -> tuple[torch.Tensor, torch.Tensor]:
+        """Loss and gradient norm of the last accepted step's batches at the current weights, over its whole
+        accumulation window as the guard saw the flagged step's: would they be flagged too? One step's forward and
+        backward, only on a flagged step, whose update is vetoed anyway (so its gradients may be overwritten).
+        Unscaled: the fp16 loss scale is not involved."""
+        trainer = self.trainer
+        model.train()
+        model.zero_grad()
+        total = torch.zeros((), device=trainer.args.device)
+        with forked_rng(trainer.args.device):
+            torch.manual_seed(trainer.args.seed)
+            for inputs in self.reference:
+                with trainer.compute_loss_context_manager():
+                    loss = trainer.compute_loss(model, trainer._prepare_inputs(inputs)) / len(self.reference)
+                loss.backward()
+                total += loss.detach().float()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        return total, torch.nn.utils.get_total_norm(grads)
+
+    def end_step(self, control) -> str | None:
+        """At the step's end: carry out a pending verdict; returns what was done, for the trace."""
+        if self.pending is None:
+            return None
+        event, scaler_state = self.pending
+        self.pending = None
+        if scaler_state is not None:
+            self.trainer.accelerator.scaler.load_state_dict(scaler_state)
+        self._act(event, control)
+        return event.action.value
+
+    def _act(self, event: GuardEvent, control) -> None:
+        """Carry out a flagged step's verdict: the skip is done (vetoed, made up); a rollback or a stop puts the last
+        snapshot back and drops the batches since it. Then one warning line says what happened."""
+        trainer, engine, snapshot = self.trainer, self.trainer._hybrid, self.snapshot
+        done = "skipped the step; its batch is dropped"
+        if event.action is not Action.SKIP and snapshot.valid:
+            schedule = snapshot.restore(engine.params, engine.optimizer)
+            # Updates in effect go back to the snapshot's; every step since then no longer counts.
+            undone = (engine.record.step + 1 - snapshot.step) - (engine.made_up_steps - snapshot.made_up)
+            engine.made_up_steps += undone
+            self.guard.undone_steps += undone
+            trainer._hybrid_steps.make_up(undone, schedule)
+            engine.weights_restored()
+            self.reference = None
+            done = (f"rolled back to the snapshot before step {snapshot.step + 1} ({undone} updates undone, their "
+                    "batches dropped)")
+        message = f"hf_hybrid guard: step {event.step}: {event.describe()}: {done}."
+        if event.action is Action.STOP:
+            control.should_save = control.should_training_stop = True
+            checkpoint = os.path.join(trainer.args.output_dir, f"checkpoint-{trainer.state.global_step}")
+            restored = done if snapshot.valid else "no snapshot to restore (--hybrid_guard_snapshot_steps 0)"
+            message = (
+                f"hf_hybrid guard stopped training at step {event.step}: {event.describe()} after "
+                f"{self.guard.rollbacks} rollbacks (--hybrid_guard_max_rollbacks); {restored}; "
+                f"checkpoint: {checkpoint}. "
+                "Try a lower learning rate or a longer warmup, check the data near this step, or raise "
+                "--hybrid_guard_threshold."
+            )
+            self.stop_message = message
+        if trainer.is_world_process_zero():
+            logger.warning(message)
+
+    def state_dict(self) -> dict:
+        reference = self.reference
+        return {
+            "stats": self.guard.state_dict(),
+            "snapshot": self.snapshot.state_dict(),
+            "reference": move_unit((reference, None), "cpu")[0] if reference else None,
+        }

@@ -1,0 +1,105 @@
+"""The jump's life cycle: a Predict phase opens with a snapshot, is watched step by step against the loss forecast,
+and ends with the probe's verdict; a jump that does not pay is rolled back bit for bit and its batches replayed.
+
+`JumpLifecycle` is the part of `HybridEngine` (engine.py) that does this; the engine owns the parts it uses
+(controller, predictor, snapshot, payoff meter, replay, loss forecast) and the step bookkeeping around it.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .controller import Phase
+
+
+class JumpLifecycle:
+    """Open, watch, judge and undo a Predict phase. Mixed into `HybridEngine`, whose attributes it uses."""
+
+    def open_jump(self, step: int) -> None:
+        """At a Predict phase's first step: keep what is needed to undo it."""
+        if self.offloader is not None:
+            self.offloader.offload()
+        self.snapshot.capture(self._shards())
+        self.jump_start_step = step
+        self.payoff.begin_prediction()
+        # Predicted step k checks the weights after k+1 deltas, about k+2 real steps after the last loss seen.
+        self.band = self.dynamics.forecast(self.controller.planned_predict_steps + 1)
+
+    @property
+    def starts_prediction(self) -> bool:
+        return self.record.phase is Phase.PREDICT and self.controller.steps_in_phase == 0
+
+    @property
+    def ends_prediction(self) -> bool:
+        return self.record.phase is Phase.PREDICT and self.controller.steps_in_phase + 1 >= (
+            self.controller.planned_predict_steps
+        )
+
+    def apply_prediction(self, lr: float) -> None:
+        self.predictor.apply_(lr)
+
+    def set_probe(self, inputs: dict, loss: float) -> None:
+        """Keep the probe batch and its loss at the weights before the phase's first delta."""
+        self.probe, self.probe_loss = inputs, loss
+        self.payoff.tick_forward()
+
+    def judge_probe(self, loss_after: float) -> bool:
+        """At the end of a Predict phase: keep the jump only if its probe gain beat plain training's."""
+        self.payoff.tick_forward()
+        paid = self.payoff.verdict(self.probe_loss - loss_after)
+        self.probe = self.probe_loss = None
+        if paid:
+            self.controller.reward()
+        else:
+            self.rollback()
+        return paid
+
+    @property
+    def monitored(self) -> bool:
+        """Whether this Predict step runs a forward pass to check the loss."""
+        k = self.controller.steps_in_phase
+        last = k + 1 >= self.controller.planned_predict_steps
+        return last or (k + 1) % self.settings.hybrid_monitor_interval == 0
+
+    def check_predict_step(self, loss: float | None) -> None:
+        """At the end of a Predict step: roll back if the monitored loss left the forecast band."""
+        record = self.record
+        record.loss = loss
+        if loss is not None:
+            k = self.controller.steps_in_phase
+            means, stds = self.band
+            expected = means[k + 1] if k + 1 < len(means) else None
+            spread = stds[k + 1] if k + 1 < len(stds) and math.isfinite(stds[k + 1]) else 0.0
+            # The forecast's own spread widens the band, up to the loss's batch noise.
+            extra = min(spread, 3.0 * self.monitor.loss_sigma)
+            if self.monitor.loss_diverged(loss, expected=expected, extra_sigma=extra):
+                self.rollback()
+        self.payoff.tick_predict(monitored=loss is not None)
+
+    def rollback(self) -> None:
+        """Undo the Predict phase: last good weights, back to Full."""
+        if self.snapshot.valid:
+            self.snapshot.restore(self._shards())
+            self.snapshot.valid = False
+        self.payoff.cancel()
+        self.replay.give_back()
+        self.probe = self.probe_loss = None
+        self.controller.abort()
+        self.record.rollback = True
+        if self.jump_start_step is not None:
+            self.record.undone_steps = self.record.step - self.jump_start_step + 1
+            self.undone_steps += self.record.undone_steps
+            self.made_up_steps += self.record.undone_steps
+            self.jump_start_step = None
+        if self.controller.retired:
+            self._release()
+
+    def finish(self) -> None:
+        """At the end of training: a jump still awaiting its probe verdict is undone; offloaded state comes back."""
+        if self.probe is not None and self.snapshot.valid:
+            self.snapshot.restore(self._shards())
+            self.snapshot.valid = False
+            self.probe = self.probe_loss = None
+        if self.offloader is not None and self.offloader.is_offloaded:
+            self.offloader.restore(non_blocking=False)
+

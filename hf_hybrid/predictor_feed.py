@@ -1,0 +1,64 @@
+"""What the predictor learns from: each real step's measured update and, on a Correct step, the residual between
+the update the predictor would have made and the real one.
+
+`PredictorFeed` is the part of `HybridEngine` (engine.py) that measures them, around the optimizer step; the engine
+owns the predictor, the controller and the step record it reads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .controller import Phase
+
+
+class PredictorFeed:
+    """Measure real updates for the predictor. Mixed into `HybridEngine`, whose attributes it uses."""
+
+    @torch.no_grad()
+    def before_optimizer_step(self, lr: float) -> None:
+        """Keep the parameters so the real update can be measured after the step; on a Correct step,
+        also what the predictor would have done from the same state."""
+        if self.offloader is not None:
+            self.offloader.wait()
+        self._predicted = None
+        # A step vetoed under the fp16 GradScaler still reaches here (the scaler skips it later); it has no update to
+        # measure, and after a rollback that retired the predictor, nothing to measure it with.
+        if self.record.rollback or self.record.skipped or not self._measures_update:
+            return
+        if not self._measured_last:
+            self.predictor.restart()
+        shards = self._shards()
+        if self._anchor is None:
+            self._anchor = [torch.empty_like(p) for p in shards]
+        # One multi-tensor kernel per group instead of a launch per parameter: on a GPU, launches dominate.
+        torch._foreach_copy_(self._anchor, shards)
+        if self.record.phase is Phase.CORRECT:
+            self._predicted = [self.predictor.direction(i, p, lr) for i, p in enumerate(shards)]
+
+    @property
+    def _measures_update(self) -> bool:
+        """The real update is needed on Correct steps for the residual, and by a predictor that learns from it in
+        the window before a prediction can start."""
+        if self.record.phase is Phase.CORRECT:
+            return True
+        window = self.predictor.history_steps
+        return self.predictor.uses_updates and (window is None or self.controller.steps_until_predict <= window)
+
+    @torch.no_grad()
+    def after_optimizer_step(self, lr: float) -> None:
+        """Feed the real update to the predictor, after measuring the residual on a Correct step."""
+        measured = self._measures_update
+        # Only a predictor that learns from updates has a gap to restart after.
+        self._measured_last = measured or not self.predictor.uses_updates
+        if not measured:
+            if not self.predictor.uses_updates:
+                self.predictor.observe([], lr)
+            return
+        updates = self._anchor
+        torch._foreach_neg_(updates)
+        torch._foreach_add_(updates, self._shards())  # in place: the anchor buffer now holds (after - before)
+        if self._predicted is not None:
+            self.predictor.measure_residual(updates, self._predicted)
+            self._predicted = None
+        self.predictor.observe(updates, lr)

@@ -1,0 +1,105 @@
+"""Vetoed and undone optimizer steps, as the Trainer's loop must see them.
+
+A step the hybrid vetoes (a Predict step, a NaN, the guard's verdict) must not reach the optimizer; a step a rollback
+undid must not count. Both are made up: the learning-rate schedule goes back to where it was, and `max_steps` grows by
+as many steps (as far as the Trainer's epochs reach), so that with every jump rejected the run ends where the
+Trainer's run ends, at the same learning rate.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers.trainer_callback import ProgressCallback
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
+
+
+class StepVeto:
+    """The protocol for a vetoed or undone step, on a `transformers.Trainer`."""
+
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer
+        self.last_step: int | None = None  # the last step the Trainer's epochs can reach (None: no limit)
+        self.skipped_schedule: dict | None = None  # the schedule before a vetoed real step, given back at its end
+
+    def schedule_state(self) -> dict:
+        """What a rollback needs to rewind the schedule: the scheduler's state and the optimizer's hyperparameters,
+        which the scheduler writes (the learning rate the next step will use is already in the param groups)."""
+        trainer = self.trainer
+        groups = [{k: v for k, v in group.items() if k != "params"} for group in trainer.optimizer.param_groups]
+        return {"scheduler": copy.deepcopy(trainer.lr_scheduler.state_dict()), "groups": copy.deepcopy(groups)}
+
+    def veto(self, predict_step: bool) -> None:
+        """Keep the optimizer from stepping. Through accelerate's public `sync_gradients` flag:
+        `AcceleratedOptimizer.step` does nothing while it is False."""
+        accelerator = self.trainer.accelerator
+        scaler = accelerator.scaler
+        if scaler is not None and not predict_step:
+            # The gradients were already unscaled (clipping or the norm): leaving the step to the scaler with
+            # an inf recorded skips it and lowers the scale, which keeps GradScaler's bookkeeping consistent.
+            for state in scaler._per_optimizer_states.values():
+                for found_inf in state.get("found_inf_per_device", {}).values():
+                    found_inf.fill_(1.0)
+            return
+        accelerator.gradient_state._set_sync_gradients(False)
+
+    def veto_real_step(self) -> None:
+        """A real step's update is refused after its backward: at its end it neither counts nor advances the
+        schedule."""
+        self.skipped_schedule = self.schedule_state()
+        self.veto(predict_step=False)
+
+    def make_up(self, steps: int, schedule: dict | None) -> None:
+        """`steps` optimizer steps were undone or vetoed: they are trained again (their batches are replayed), so
+        they must not count. The schedule goes back to `schedule` and the run gets `steps` more."""
+        if schedule is not None:
+            trainer = self.trainer
+            trainer.lr_scheduler.load_state_dict(schedule["scheduler"])
+            for group, saved in zip(trainer.optimizer.param_groups, schedule["groups"]):
+                for key, value in saved.items():
+                    if isinstance(group[key], torch.Tensor):  # a fused or capturable optimizer's device tensor
+                        group[key].copy_(value)
+                    else:
+                        group[key] = value
+        self.extend_max_steps(steps)
+
+    def extend_max_steps(self, steps: int) -> None:
+        """Add steps to max_steps, as far as the Trainer's epochs reach: its loop ends with the last epoch."""
+        trainer = self.trainer
+        state = trainer.state
+        room = steps if self.last_step is None else min(steps, self.last_step - state.max_steps)
+        room = max(room, 0)
+        state.max_steps += room
+        if room < steps and trainer.is_world_process_zero():
+            logger.warning(
+                f"{steps - room} optimizer steps undone by a rolled-back jump cannot be made up: the Trainer's last "
+                f"epoch ends at step {self.last_step}. This run makes {steps - room} fewer real updates than "
+                "the Trainer would; a max_steps short of the data's last epoch leaves room for them."
+            )
+        for bar in self._progress_bars():
+            bar.total = state.max_steps
+
+    def show_phase(self, phase: str) -> None:
+        for bar in self._progress_bars():
+            bar.set_postfix(phase=phase, refresh=False)
+
+    def set_epochs_end(self, train_dataloader) -> None:
+        """The optimizer step at which the Trainer's epoch loop ends, as `Trainer.set_initial_training_values`
+        counts it; None when the data has no length (the loop then runs until max_steps)."""
+        try:
+            batches = len(train_dataloader)
+        except TypeError:
+            self.last_step = None
+            return
+        accumulation = self.trainer.args.gradient_accumulation_steps
+        self.last_step = self.trainer.state.num_train_epochs * max(-(-batches // accumulation), 1)
+
+    def _progress_bars(self) -> list:
+        return [
+            callback.training_bar
+            for callback in self.trainer.callback_handler.callbacks
+            if isinstance(callback, ProgressCallback) and callback.training_bar is not None
+        ]
