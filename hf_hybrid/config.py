@@ -14,7 +14,7 @@ from transformers import TrainingArguments
 
 from .predictors import PREDICTORS
 
-PredictorName = Literal["velocity", "adam"]
+PredictorName = Literal["velocity", "adam", "outer"]
 
 
 @dataclass
@@ -49,9 +49,18 @@ class HybridTrainingArguments(TrainingArguments):
             does, plus a loss and gradient-norm check per step. 0 never stops.
         hybrid_predictor (`str`, defaults to `"velocity"`):
             How deltas are predicted: `velocity` (EMA of real updates per unit learning rate, one extra
-            parameter-sized buffer) or `adam` (AdamW's step with its moments held fixed, no extra buffer).
+            parameter-sized buffer), `adam` (AdamW's step with its moments held fixed, no extra buffer) or `outer`
+            (an outer Nesterov step on the pseudo-gradient every `hybrid_outer_period` real steps, as DiLoCo with
+            one worker; two extra buffers; it sets its own schedule: full steps = the period, one-step jumps, no
+            Correct steps, no confidence gate).
         hybrid_velocity_beta (`float`, defaults to `0.95`):
             EMA decay of the `velocity` predictor, in [0, 1).
+        hybrid_outer_period (`int`, defaults to `10`):
+            Real steps between two jumps of the `outer` predictor (DiLoCo's H).
+        hybrid_outer_lr (`float`, defaults to `0.7`):
+            Outer learning rate of the `outer` predictor; 1 with no momentum is no jump at all.
+        hybrid_outer_momentum (`float`, defaults to `0.5`):
+            Nesterov momentum of the `outer` predictor, in [0, 1).
         hybrid_monitor_interval (`int`, defaults to `1`):
             Run a forward pass to check the loss on every N-th predicted step (and always on a phase's last);
             skipped steps cost almost nothing but are unchecked until the next check.
@@ -124,6 +133,11 @@ class HybridTrainingArguments(TrainingArguments):
     )
     hybrid_predictor: PredictorName = field(default="velocity", metadata={"help": "Delta predictor."})
     hybrid_velocity_beta: float = field(default=0.95, metadata={"help": "EMA decay of the velocity predictor."})
+    hybrid_outer_period: int = field(default=10, metadata={"help": "Real steps between outer-momentum jumps (H)."})
+    hybrid_outer_lr: float = field(default=0.7, metadata={"help": "Outer learning rate of the outer predictor."})
+    hybrid_outer_momentum: float = field(
+        default=0.5, metadata={"help": "Nesterov momentum of the outer predictor, in [0, 1)."}
+    )
     hybrid_monitor_interval: int = field(
         default=1, metadata={"help": "Check the loss with a forward pass on every N-th predicted step."}
     )
@@ -185,7 +199,7 @@ def validate_hybrid_settings(settings) -> None:
         if getattr(settings, flag) < 0:
             bad(flag, "must be >= 0")
     for flag in ("hybrid_full_steps", "hybrid_min_predict_steps", "hybrid_max_consecutive_predicts",
-                 "hybrid_monitor_interval", "hybrid_guard_window", "hybrid_guard_max_skips"):
+                 "hybrid_monitor_interval", "hybrid_guard_window", "hybrid_guard_max_skips", "hybrid_outer_period"):
         if getattr(settings, flag) < 1:
             bad(flag, "must be >= 1")
     if settings.hybrid_max_predict_steps < settings.hybrid_min_predict_steps:
@@ -194,9 +208,10 @@ def validate_hybrid_settings(settings) -> None:
         bad("hybrid_confidence_threshold", "must be in [0, 1]")
     if settings.hybrid_predictor not in PREDICTORS:
         bad("hybrid_predictor", f"must be one of {sorted(PREDICTORS)}")
-    if not 0.0 <= settings.hybrid_velocity_beta < 1.0:
-        bad("hybrid_velocity_beta", "must be in [0, 1)")
-    for flag in ("hybrid_loss_band", "hybrid_grad_explosion_factor", "hybrid_predict_step_cost",
+    for flag in ("hybrid_velocity_beta", "hybrid_outer_momentum"):
+        if not 0.0 <= getattr(settings, flag) < 1.0:
+            bad(flag, "must be in [0, 1)")
+    for flag in ("hybrid_loss_band", "hybrid_grad_explosion_factor", "hybrid_predict_step_cost", "hybrid_outer_lr",
                  "hybrid_guard_threshold"):
         if not getattr(settings, flag) > 0:
             bad(flag, "must be > 0")

@@ -11,6 +11,7 @@ all-reduce per optimizer step, shared with the gradient norm) before any decisio
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -25,7 +26,7 @@ from .jump import JumpLifecycle
 from .memory import OptimizerStateOffloader
 from .payoff import PayoffMeter
 from .predictor_feed import PredictorFeed
-from .predictors import PREDICTORS
+from .predictors import build_predictor
 from .predictors.base import local_shard
 from .replay import BatchReplay, Unit
 from .snapshot import WeightSnapshot
@@ -50,15 +51,14 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
         self.settings = settings
         self.params = params
         self.optimizer = optimizer
-        self.controller = PhaseController(ControllerConfig.from_settings(settings))
+        self.predictor = build_predictor(settings, params, optimizer)
+        config = ControllerConfig.from_settings(settings)
+        self.controller = PhaseController(dataclasses.replace(config, **self.predictor.controller_settings()))
         self.monitor = DivergenceMonitor(
             band_sigmas=settings.hybrid_loss_band, grad_explosion_factor=settings.hybrid_grad_explosion_factor
         )
         self.payoff = PayoffMeter(forward_cost=settings.hybrid_predict_step_cost)
         self.dynamics = LossDynamicsModel(seed=seed)
-        predictor_cls = PREDICTORS[settings.hybrid_predictor]
-        kwargs = {"beta": settings.hybrid_velocity_beta} if settings.hybrid_predictor == "velocity" else {}
-        self.predictor = predictor_cls(params, optimizer, **kwargs)
         self.snapshot = WeightSnapshot(on_host=settings.hybrid_offload_snapshot)
         self.replay = BatchReplay()
         self.epoch_seed = EpochSeedDraw()
@@ -169,6 +169,8 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
                 self.controller.reward()
         else:
             self.controller.phase_steps[record.phase.value] += 1
+        if record.phase is Phase.PREDICT and not record.rollback and self.controller.phase is not Phase.PREDICT:
+            self.predictor.jump_kept()
         if self.controller.phase is not Phase.PREDICT and self.controller.phase is not Phase.CORRECT:
             self.snapshot.valid = False
             self.replay.settle()

@@ -43,7 +43,8 @@ class GuardAtLoop:
         self.stop_message: str | None = None
         if saved is not None:
             self.guard.load_state_dict(saved["stats"])
-            self.snapshot.load_state_dict(saved["snapshot"], engine.params, engine.optimizer)
+            self.snapshot.load_state_dict(saved["snapshot"], engine.params, engine.optimizer,
+                                          engine.predictor.rollback_tensors())
             reference = saved["reference"]
             self.reference = move_unit((reference, None), trainer.args.device)[0] if reference else None
 
@@ -65,7 +66,7 @@ class GuardAtLoop:
             # optimizer has state either: AdamW creates it at its first step, and a resumed run has it from the start.
             if due and not jump_open and engine.optimizer.state:
                 snapshot.capture(step, engine.made_up_steps, engine.params, engine.optimizer,
-                                 trainer._hybrid_steps.schedule_state())
+                                 trainer._hybrid_steps.schedule_state(), engine.predictor.rollback_tensors())
             return False
         if jump_open:
             event.action = Action.SKIP  # the engine rolls the jump back, to weights known to be good
@@ -117,7 +118,7 @@ class GuardAtLoop:
         trainer, engine, snapshot = self.trainer, self.trainer._hybrid, self.snapshot
         done = "skipped the step; its batch is dropped"
         if event.action is not Action.SKIP and snapshot.valid:
-            schedule = snapshot.restore(engine.params, engine.optimizer)
+            schedule = snapshot.restore(engine.params, engine.optimizer, engine.predictor.rollback_tensors())
             # Updates in effect go back to the snapshot's; every step since then no longer counts.
             undone = (engine.record.step + 1 - snapshot.step) - (engine.made_up_steps - snapshot.made_up)
             engine.made_up_steps += undone

@@ -81,6 +81,7 @@ class JumpLifecycle:
         if self.snapshot.valid:
             self.snapshot.restore(self._shards())
             self.snapshot.valid = False
+            self.predictor.jump_undone()
         self.payoff.cancel()
         self.replay.give_back()
         self.probe = self.probe_loss = None

@@ -87,6 +87,8 @@ class TrainingSnapshot:
     def __init__(self) -> None:
         self.weights = WeightSnapshot(on_host=True)
         self.optimizer_state = WeightSnapshot(on_host=True)
+        self.predictor_state = WeightSnapshot(on_host=True)
+        self.predictor_tensors = 0  # how many tensors of predictor state the snapshot holds
         self.keys: list[tuple[int, str]] = []  # (parameter index, state key) of each copied optimizer tensor
         self.scalars: list[tuple[int, str, object]] = []  # optimizer state entries that are not tensors
         self.schedule: dict | None = None
@@ -99,25 +101,33 @@ class TrainingSnapshot:
         return self.step is not None
 
     def capture(self, step: int, made_up: int, params: list[Tensor], optimizer: torch.optim.Optimizer,
-                schedule: dict) -> None:
+                schedule: dict, predictor_state: list[Tensor] = ()) -> None:
         keys, tensors, scalars = _optimizer_entries(params, optimizer)
         if keys != self.keys:  # the buffers are reused, so they are rebuilt only when the state's layout changes
             self.optimizer_state, self.keys = WeightSnapshot(on_host=True), keys
         self.weights.capture([local_shard(p) for p in params])
         if tensors:
             self.optimizer_state.capture(tensors)
+        if len(predictor_state) != self.predictor_tensors:
+            self.predictor_state, self.predictor_tensors = WeightSnapshot(on_host=True), len(predictor_state)
+        if predictor_state:
+            self.predictor_state.capture(list(predictor_state))
         self.scalars = scalars
         self.schedule, self.rng = schedule, _rng_state()
         self.step, self.made_up = step, made_up
 
-    def restore(self, params: list[Tensor], optimizer: torch.optim.Optimizer) -> dict:
-        """Weights, optimizer state and RNG back in place; returns the schedule for the trainer to load."""
+    def restore(self, params: list[Tensor], optimizer: torch.optim.Optimizer,
+                predictor_state: list[Tensor] = ()) -> dict:
+        """Weights, optimizer state, the predictor's rollback state and the RNG back in place; returns the schedule
+        for the trainer to load. A predictor that was released since keeps no state to restore."""
         keys, tensors, _ = _optimizer_entries(params, optimizer)
         if keys != self.keys:
             raise RuntimeError("the optimizer's state changed layout since the guard's snapshot; cannot roll back")
         self.weights.restore([local_shard(p) for p in params])
         if tensors:
             self.optimizer_state.restore(tensors)
+        if predictor_state and len(predictor_state) == self.predictor_tensors:
+            self.predictor_state.restore(list(predictor_state))
         for i, key, value in self.scalars:
             optimizer.state[params[i]][key] = value
         _set_rng_state(self.rng)
@@ -129,9 +139,11 @@ class TrainingSnapshot:
         return {"step": self.step, "made_up": self.made_up, "weights": self.weights.state_dict(),
                 "optimizer_state": self.optimizer_state.state_dict() if self.keys else None,
                 "keys": [list(k) for k in self.keys], "scalars": [list(s) for s in self.scalars],
-                "schedule": self.schedule, "rng": self.rng}
+                "schedule": self.schedule, "rng": self.rng,
+                "predictor_state": self.predictor_state.state_dict() if self.predictor_tensors else None}
 
-    def load_state_dict(self, state: dict, params: list[Tensor], optimizer: torch.optim.Optimizer) -> None:
+    def load_state_dict(self, state: dict, params: list[Tensor], optimizer: torch.optim.Optimizer,
+                        predictor_state: list[Tensor] = ()) -> None:
         if state["step"] is None:
             return
         keys, tensors, _ = _optimizer_entries(params, optimizer)
@@ -141,6 +153,10 @@ class TrainingSnapshot:
         self.weights.load_state_dict(state["weights"], [local_shard(p) for p in params])
         if keys:
             self.optimizer_state.load_state_dict(state["optimizer_state"], tensors)
+        saved = state.get("predictor_state")  # absent from checkpoints written before the outer predictor
+        if saved is not None and len(saved["tensors"] or []) == len(predictor_state):
+            self.predictor_state.load_state_dict(saved, list(predictor_state))
+            self.predictor_tensors = len(predictor_state)
         self.scalars = [tuple(s) for s in state["scalars"]]
         self.schedule, self.rng = state["schedule"], state["rng"]
         self.step, self.made_up = state["step"], state["made_up"]

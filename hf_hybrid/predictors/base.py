@@ -63,6 +63,21 @@ class Predictor(ABC):
     def release(self) -> None:  # noqa: B027 - optional hook
         """Give back the predictor's own parameter-sized buffers: no prediction will follow."""
 
+    def controller_settings(self) -> dict:
+        """`ControllerConfig` fields this predictor sets itself (its own schedule); none by default."""
+        return {}
+
+    def jump_kept(self) -> None:  # noqa: B027 - optional hook
+        """The jump just made passed its verdict and stays."""
+
+    def jump_undone(self) -> None:  # noqa: B027 - optional hook
+        """The jump was rolled back: the weights are back where it began."""
+
+    def rollback_tensors(self) -> list[Tensor]:
+        """State that must go back with the weights when the guard restores an older training state. A predictor
+        that only averages recent updates has none: it restarts after such a gap."""
+        return []
+
     @abstractmethod
     def direction(self, index: int, param: Tensor, lr: float) -> Tensor:
         """The un-gained predicted update of parameter `index` for one step at learning rate `lr`; `param` is its

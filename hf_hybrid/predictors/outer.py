@@ -1,0 +1,106 @@
+"""Outer momentum: every `period` real steps, an outer SGD step with Nesterov momentum on the pseudo-gradient.
+
+This is DiLoCo with one worker, or SNOO. The pseudo-gradient g is the weights at the last anchor minus the weights
+now; the outer step moves the weights to anchor - outer_lr * (g + momentum * buf), with buf = momentum * buf + g, and
+that point becomes the next anchor. Over many cycles it lengthens a consistent direction by about
+outer_lr / (1 - momentum): it pays where the inner learning rate is too small and overshoots where it is tuned,
+which is why every jump is judged on the probe batch like any other (payoff.py) and rolled back when it lands worse.
+
+The schedule is the period, not the loss forecast's confidence: one Predict step every `period` real steps, with no
+Correct steps (there is no per-step residual to learn). The Predict step runs no backward; its batch is the probe.
+
+Memory: two parameter-sized buffers (the anchor, the momentum), element-wise on local shards. The anchor buffer holds g
+from the jump until its verdict, so a rejected jump leaves the momentum untouched, bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .base import Predictor, local_shard
+
+
+class OuterMomentumPredictor(Predictor):
+    name = "outer"
+    uses_updates = False
+
+    def __init__(self, params: list[Tensor], optimizer: torch.optim.Optimizer, period: int = 10,
+                 outer_lr: float = 0.7, momentum: float = 0.5) -> None:
+        super().__init__(params, optimizer)
+        self.period, self.outer_lr, self.momentum = period, outer_lr, momentum
+        self.anchor: list[Tensor] | None = None
+        self.buf: list[Tensor] = [torch.zeros_like(local_shard(p)) for p in params]
+
+    def controller_settings(self) -> dict:
+        """The phase controller's schedule for this predictor: a one-step jump every `period` real steps, judged by
+        its probe alone (the loss-forecast confidence gate is not this predictor's evidence)."""
+        return dict(full_steps=self.period, min_predict_steps=1, max_predict_steps=1, correct_steps=0,
+                    confidence_threshold=0.0, max_consecutive_predicts=1)
+
+    @property
+    def ready(self) -> bool:
+        return self.anchor is not None
+
+    def _shards(self) -> list[Tensor]:
+        return [local_shard(p) for p in self.params]
+
+    @torch.no_grad()
+    def _observe(self, updates: list[Tensor], lr: float) -> None:
+        if self.anchor is None:  # the first real step after a start or a gap anchors the next cycle
+            self.set_anchor()
+
+    @torch.no_grad()
+    def set_anchor(self) -> None:
+        shards = self._shards()
+        if self.anchor is None:
+            self.anchor = [torch.empty_like(p) for p in shards]
+        torch._foreach_copy_(self.anchor, shards)
+
+    def restart(self) -> None:
+        super().restart()
+        if self.anchor is not None:
+            self.set_anchor()
+
+    def release(self) -> None:
+        self.anchor, self.buf = None, []
+
+    def direction(self, index: int, param: Tensor, lr: float) -> Tensor:
+        raise NotImplementedError("the outer step is a whole-cycle jump; it has no per-step direction")
+
+    @torch.no_grad()
+    def apply_(self, lr: float) -> None:
+        shards = self._shards()
+        m, a = self.momentum, self.outer_lr
+        g = self.anchor
+        torch._foreach_sub_(g, shards)  # the anchor buffer now holds the pseudo-gradient
+        # anchor - a * (g + m * (m * buf + g)) = weights + (1 - a - a * m) * g - a * m^2 * buf
+        torch._foreach_add_(shards, g, alpha=1 - a - a * m)
+        torch._foreach_add_(shards, self.buf, alpha=-a * m * m)
+
+    @torch.no_grad()
+    def jump_kept(self) -> None:
+        torch._foreach_mul_(self.buf, self.momentum)
+        torch._foreach_add_(self.buf, self.anchor)
+        self.set_anchor()
+
+    def jump_undone(self) -> None:
+        """The weights are back where the jump began: the next cycle starts there, with the momentum as it was."""
+        self.set_anchor()
+
+    def rollback_tensors(self) -> list[Tensor]:
+        return [*(self.anchor or []), *self.buf]
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "anchor": [t.detach().cpu().clone() for t in self.anchor or []],
+                "buf": [t.detach().cpu().clone() for t in self.buf]}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        if state["anchor"] and self.buf:
+            self.set_anchor()
+            torch._foreach_copy_(self.anchor, [t.to(a.device) for t, a in zip(state["anchor"], self.anchor)])
+        else:
+            self.anchor = None
+        for b, saved in zip(self.buf, state["buf"]):
+            b.copy_(saved)

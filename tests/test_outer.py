@@ -1,0 +1,100 @@
+"""The outer-momentum predictor: its jump is the Nesterov step on the pseudo-gradient, a rejected jump leaves the
+outer state untouched, resume is bit-exact, and the guard's snapshot carries the outer state."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from transformers import TrainerCallback
+
+from hf_hybrid import HybridHFTrainer, Phase
+from hf_hybrid.payoff import PayoffMeter
+from hf_hybrid.snapshot import TrainingSnapshot
+
+from .conftest import flat_params, hybrid_args, make_trainer, tiny_gpt2, token_dataset
+from .test_equivalence_resume import assert_bit_identical, state
+
+OUTER = dict(hybrid_predictor="outer", hybrid_outer_period=5, hybrid_outer_lr=0.7, hybrid_outer_momentum=0.5)
+
+
+class OuterRecorder(TrainerCallback):
+    """Per optimizer step: phase, rollback, the weights and the outer momentum buffer."""
+
+    def __init__(self) -> None:
+        self.trainer, self.rows = None, []
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        engine = self.trainer._hybrid
+        buf = engine.predictor.buf
+        self.rows.append({"phase": engine.last_record.phase, "rollback": engine.last_record.rollback,
+                          "params": flat_params(model),
+                          "buf": torch.cat([b.reshape(-1) for b in buf]).clone() if buf else None})
+
+
+def run(tmp_out, **overrides):
+    recorder = OuterRecorder()
+    trainer = make_trainer(tmp_out, **{**OUTER, "max_steps": 30, **overrides})
+    recorder.trainer = trainer
+    trainer.add_callback(recorder)
+    trainer.train()
+    return trainer, recorder.rows
+
+
+def test_the_jump_is_an_outer_nesterov_step_on_the_pseudo_gradient(tmp_out):
+    trainer, rows = run(tmp_out, hybrid_payoff_check=False)
+    a, m = 0.7, 0.5
+    jumps = [i for i, r in enumerate(rows) if r["phase"] is Phase.PREDICT]
+    # Warmup 5, then a jump after every 5 real steps; the first real step anchors the first cycle.
+    assert jumps[:3] == [10, 16, 22]
+    assert all(not rows[i]["rollback"] for i in jumps)
+    w = [r["params"] for r in rows]
+    g1 = w[0] - w[9]
+    torch.testing.assert_close(w[10], w[0] - a * (g1 + m * g1))
+    torch.testing.assert_close(rows[10]["buf"], g1)
+    g2 = w[10] - w[15]  # the jump's landing point is the next anchor
+    buf2 = m * g1 + g2
+    torch.testing.assert_close(w[16], w[10] - a * (g2 + m * buf2))
+    torch.testing.assert_close(rows[16]["buf"], buf2)
+    assert trainer.hybrid_stats()["backward_steps"] == 30 - len(jumps)
+
+
+def test_a_rejected_jump_leaves_weights_and_momentum_as_they_were(tmp_out, monkeypatch):
+    verdicts = iter([True, False, True, False, True, False])
+    monkeypatch.setattr(PayoffMeter, "verdict", lambda self, gain: next(verdicts))
+    _, rows = run(tmp_out, hybrid_payoff_check=True, hybrid_max_rejections=0)
+    jumps = [i for i, r in enumerate(rows) if r["phase"] is Phase.PREDICT]
+    kept, rejected = jumps[0], jumps[1]
+    assert not rows[kept]["rollback"] and rows[rejected]["rollback"]
+    assert torch.equal(rows[rejected]["params"], rows[rejected - 1]["params"])
+    assert torch.equal(rows[rejected]["buf"], rows[kept]["buf"])
+    assert rows[kept]["buf"].abs().sum() > 0
+
+
+def test_resume_with_the_outer_predictor_is_bit_identical(tmp_path):
+    settings = dict(OUTER, max_steps=30, save_strategy="steps", save_steps=1, hybrid_payoff_check=False)
+    full_run = make_trainer(tmp_path / "full", **settings)
+    full_run.train()
+    trace = [json.loads(line) for line in (tmp_path / "full" / "hybrid_trace.jsonl").read_text().splitlines()]
+    first_jump = next(r["step"] for r in trace if r["phase"] == "predict")
+    resumed_model = tiny_gpt2(seed=123)
+    resumed = HybridHFTrainer(model=resumed_model, args=hybrid_args(tmp_path / "resumed", **settings),
+                              train_dataset=token_dataset())
+    # Mid-cycle after a kept jump: the anchor and the momentum must come from the checkpoint.
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / f"checkpoint-{first_jump + 2}"))
+    assert_bit_identical(state(full_run.model), state(resumed_model))
+    assert all(torch.equal(a, b) for a, b in zip(full_run._hybrid.predictor.buf, resumed._hybrid.predictor.buf))
+
+
+def test_the_guard_snapshot_restores_the_outer_state_with_the_weights():
+    model = tiny_gpt2()
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW(params)
+    outer_state = [torch.randn(3), torch.randn(2, 2)]
+    kept = [t.clone() for t in outer_state]
+    snapshot = TrainingSnapshot()
+    snapshot.capture(7, 0, params, optimizer, {"scheduler": {}}, outer_state)
+    for t in outer_state:
+        t.add_(1.0)
+    snapshot.restore(params, optimizer, outer_state)
+    assert all(torch.equal(a, b) for a, b in zip(outer_state, kept))
