@@ -207,6 +207,8 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
             "undone_steps": self.undone_steps,
             "predictions_judged": self.payoff.verdicts,
             "predictions_kept": self.payoff.paid,
+            "jump_gain": self.payoff.kept_gain,
+            "jump_worth_steps": self.payoff.kept_worth,
         }
 
     @staticmethod
@@ -225,6 +227,8 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
             "undone_steps": 0,
             "predictions_judged": 0,
             "predictions_kept": 0,
+            "jump_gain": 0.0,
+            "jump_worth_steps": 0.0,
         }
 
     def log_metrics(self) -> dict[str, float]:

@@ -43,6 +43,8 @@ class PayoffMeter:
     advantage: float = 0.0
     verdicts: int = 0
     paid: int = 0
+    kept_gain: float = 0.0  # probe loss gained by the jumps that were kept
+    kept_worth: float = 0.0  # what those gains would have cost plain training, in real steps
 
     def tick_real(self, loss: float) -> None:
         self.clock += 1.0
@@ -72,6 +74,9 @@ class PayoffMeter:
         self.advantage = (1 - self.smoothing) * self.advantage + self.smoothing * (gain - required if finite else 0.0)
         self.verdicts += 1
         self.paid += int(paid)
+        if paid:
+            self.kept_gain += gain
+            self.kept_worth += gain / self.start_rate if self.start_rate > 0 else 0.0
         self.start_clock = None
         return paid
 
@@ -86,5 +91,6 @@ class PayoffMeter:
         return state
 
     def load_state_dict(self, state: dict) -> None:
+        self.kept_gain = self.kept_worth = 0.0  # absent from checkpoints written before they were counted
         for key, value in state.items():
             setattr(self, key, deque(tuple(p) for p in value) if key == "history" else value)

@@ -14,9 +14,8 @@ loop), checkpoint.py (the hybrid state in checkpoints), trace.py (the step trace
   hybrid state (including per-rank tensors) is saved and restored beside the optimizer's;
 - `log`: to merge the `hybrid/...` metrics into the Trainer's logs, so every `report_to` gets them;
 - `train`: a run the guard stopped raises `GuardStoppedError` once the Trainer has finished its bookkeeping.
-The other loop points come through a callback placed first in line: at the end of a rolled-back step it rewinds the
-learning-rate schedule and adds the undone steps to `state.max_steps`, before `DefaultFlowCallback` decides whether to
-stop.
+The other loop points come through a callback placed first in line, so that a rolled-back step is made up before
+`DefaultFlowCallback` decides whether to stop.
 """
 
 from __future__ import annotations
@@ -33,6 +32,7 @@ from .forward_checks import predict_step_loss, probe_loss
 from .guard import StepGuard
 from .guard_loop import GuardAtLoop, GuardStoppedError
 from .launch import check_launch_mode
+from .lr_advice import jump_advice
 from .memory import EmergencyCheckpointCallback, VramMonitor
 from .step_veto import StepVeto
 from .trace import StepTrace
@@ -254,6 +254,9 @@ class HybridMixin:
     def _hybrid_train_end(self) -> None:
         if self._hybrid is not None:
             self._hybrid.finish()
+            if self.is_world_process_zero():
+                for line in jump_advice(self.hybrid_stats(), self.args.learning_rate):
+                    logger.warning(line)
         if self._hybrid_trace is not None:
             self._hybrid_trace.close()
             self._hybrid_trace = None

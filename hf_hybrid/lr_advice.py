@@ -1,0 +1,43 @@
+"""What kept jumps say about the learning rate.
+
+A jump that keeps paying is evidence that plain steps are too short: an outer step that lengthens the recent direction
+beats the next real step only when the optimizer undershoots. So when jumps keep being kept and their gains add up to
+a fair share of the run, the user hears, in one line, that the learning rate looks too small, and by about how much:
+the ratio of the progress made (real steps plus what the kept jumps were worth in real steps) to the real steps. That
+ratio is a lower bound on the factor; the right LR may be further away (the jump itself recovers only part of it).
+"""
+
+from __future__ import annotations
+
+MIN_JUDGED = 5  # fewer verdicts than this is no evidence either way
+MIN_KEPT_SHARE = 0.7  # most jumps must pay, not a lucky few
+MIN_SPEEDUP = 1.1  # kept jumps must be worth at least a tenth of the run's real steps
+
+
+def jump_summary(stats: dict) -> str | None:
+    """One line on what the kept jumps gained, or None when no jump was judged."""
+    judged, kept = stats["predictions_judged"], stats["predictions_kept"]
+    if not judged:
+        return None
+    if not kept:
+        return f"hf_hybrid: all {judged} jumps were rolled back, so these weights are the plain Trainer's steps."
+    return (f"hf_hybrid: {kept} of {judged} jumps kept; together they gained {stats['jump_gain']:.4f} probe loss, "
+            f"worth about {stats['jump_worth_steps']:.0f} real steps over {stats['backward_steps']} real steps.")
+
+
+def lr_too_small(stats: dict, learning_rate: float) -> str | None:
+    """The warning line when the jumps' evidence says the learning rate is too small; None otherwise."""
+    judged, kept, real = stats["predictions_judged"], stats["predictions_kept"], stats["backward_steps"]
+    if judged < MIN_JUDGED or kept < MIN_KEPT_SHARE * judged or real <= 0:
+        return None
+    factor = (real + stats["jump_worth_steps"]) / real
+    if factor < MIN_SPEEDUP:
+        return None
+    return (f"hf_hybrid: the learning rate looks too small: {kept} of {judged} jumps paid, worth {factor:.2f}x the "
+            f"progress of the real steps alone. Try about {factor:.1f}x it (--learning_rate "
+            f"{learning_rate * factor:.2g}) or run a short sweep; a tuned learning rate gains more than the jumps do.")
+
+
+def jump_advice(stats: dict, learning_rate: float) -> list[str]:
+    """The lines said at the end of training: what the jumps gained, and whether the learning rate looks too small."""
+    return [line for line in (jump_summary(stats), lr_too_small(stats, learning_rate)) if line is not None]

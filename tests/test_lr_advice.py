@@ -1,0 +1,40 @@
+"""The end-of-training word on the learning rate: said when kept jumps keep paying, silent at a tuned one."""
+
+from __future__ import annotations
+
+import logging
+
+from hf_hybrid.lr_advice import jump_advice
+
+from .conftest import make_trainer
+
+OUTER = dict(hybrid_predictor="outer", hybrid_outer_period=5, hybrid_payoff_check=True, hybrid_loss_band=3.0,
+             max_steps=120, logging_steps=1000)
+
+
+def advice_after_training(tmp_out, learning_rate: float, caplog) -> tuple[dict, str]:
+    trainer = make_trainer(tmp_out, learning_rate=learning_rate, **OUTER)
+    with caplog.at_level(logging.WARNING):
+        trainer.train()
+    return trainer.hybrid_stats(), caplog.text
+
+
+def test_a_too_small_learning_rate_is_named_with_a_factor(tmp_out, caplog):
+    stats, log = advice_after_training(tmp_out, 1e-4, caplog)  # 30x below this task's tuned 3e-3
+    assert stats["predictions_kept"] >= 0.7 * stats["predictions_judged"] >= 3.5
+    assert stats["jump_gain"] > 0 and stats["jump_worth_steps"] > 0.1 * stats["backward_steps"]
+    assert "the learning rate looks too small" in log and "--learning_rate" in log
+    assert f"{stats['predictions_kept']} of {stats['predictions_judged']} jumps kept" in log
+
+
+def test_at_the_tuned_learning_rate_it_stays_silent(tmp_out, caplog):
+    stats, log = advice_after_training(tmp_out, 3e-3, caplog)
+    assert stats["predictions_kept"] == 0 and stats["predictions_judged"] > 0
+    assert "looks too small" not in log
+    assert "jumps were rolled back" in log
+
+
+def test_few_verdicts_are_no_evidence():
+    stats = {"predictions_judged": 2, "predictions_kept": 2, "jump_gain": 1.0, "jump_worth_steps": 500.0,
+             "backward_steps": 100}
+    assert not any("too small" in line for line in jump_advice(stats, 1e-4))
