@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from model_and_data import build_model_and_data
 from transformers import TrainerCallback
 
 WINDOW_LENGTH = 10
@@ -127,19 +128,19 @@ class UpdatesEval(TrainerCallback):
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         updates = self.updates(state)
         self.evals.append([state.global_step, updates, metrics["eval_loss"]])
-        guard = getattr(self.trainer, "_guard", None)
-        extra = f" | guard: {guard.outliers} flagged, {guard.rollbacks} rollbacks" if guard is not None else ""
+        loop = getattr(self.trainer, "_guard_loop", None)
+        extra = f" | guard: {loop.guard.outliers} flagged, {loop.guard.rollbacks} rollbacks" if loop is not None else ""
         print(f"  [{self.arm:>15}] {updates:4d}/{self.total} updates, step {state.global_step:4d}, "
               f"eval loss {metrics['eval_loss']:.4f}, {time.perf_counter() - self.t0:5.0f}s{extra}", flush=True)
 
 
-def run_arm(arm: str, preset: dict, plan: FaultPlan, seed: int, out_dir: Path, build) -> dict:
+def run_arm(arm: str, preset: dict, plan: FaultPlan, seed: int, out_dir: Path) -> dict:
     from transformers import Trainer, TrainingArguments
     from transformers.trainer_callback import PrinterCallback
 
     from hf_hybrid import HybridHFTrainer, HybridTrainingArguments
 
-    model, datasets, eval_set = build(preset, seed)
+    model, datasets, eval_set = build_model_and_data(preset, seed)
     cuda = torch.cuda.is_available()
     common = dict(
         output_dir=str(out_dir), max_steps=preset["max_steps"], per_device_train_batch_size=preset["batch_size"],
@@ -170,8 +171,7 @@ def run_arm(arm: str, preset: dict, plan: FaultPlan, seed: int, out_dir: Path, b
             "hybrid_stats": stats}
 
 
-def main(args, preset: dict, build) -> None:
-    """`build(preset, seed)` returns the model, the datasets and the evaluation set (benchmark.py's)."""
+def main(args, preset: dict) -> None:
     if args.max_steps:
         preset["max_steps"] = args.max_steps
     preset["eval_steps"] = max(preset["max_steps"] // 10, 1)
@@ -186,7 +186,7 @@ def main(args, preset: dict, build) -> None:
     arms = {}
     for arm in ("trainer-clean", "trainer-faults", "hybrid-faults"):
         print(f"{arm}:", flush=True)
-        arms[arm] = run_arm(arm, dict(preset), plan, args.seed, root / arm, build)
+        arms[arm] = run_arm(arm, dict(preset), plan, args.seed, root / arm)
     clean = arms["trainer-clean"]["final_eval_loss"]
     report = {"preset": args.preset, "seed": args.seed, "max_steps": preset["max_steps"], "faults": kinds,
               "plan": plan.describe(), "arms": arms,

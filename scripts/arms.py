@@ -1,0 +1,186 @@
+"""One benchmark arm, in its own process: the Trainer (`baseline`), the Trainer evaluated on a moving average of its
+weights (`ema`) or HybridHFTrainer (`hybrid`), trained on a preset and measured (timing.py), its measurements an
+`ArmResult` written as JSON for the parent process. The training stack is imported inside `run_arm`, so that the
+parent process imports this module without it."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from model_and_data import build_model_and_data
+from presets import EMA_DECAY, PRESETS
+
+
+@dataclass
+class ArmResult:
+    arm: str
+    evals: list = field(default_factory=list)  # [step, train_seconds, eval_loss]
+    steps: int = 0
+    train_seconds: float = 0.0
+    tokens: int = 0
+    step_seconds: list = field(default_factory=list)  # per optimizer step, training time only
+    phases: list = field(default_factory=list)  # per optimizer step
+    timing: dict = field(default_factory=dict)  # forward/backward/optimizer seconds
+    peak_memory_mb: float = 0.0
+    memory_curve: list = field(default_factory=list)  # [step, peak allocated MB so far, reserved MB] (CUDA)
+    n_params: int = 0
+    cuda: bool = False
+    hybrid_stats: dict | None = None
+    reached_step: int | None = None
+
+
+class WeightAverage:
+    """An exponential moving average of the trainable weights (fp32), updated after every optimizer step; `swapped_in`
+    evaluates it in place of the weights. The early-step decay (1 + n) / (10 + n) keeps it from remembering the
+    start."""
+
+    def __init__(self, model, decay: float) -> None:
+        self.decay, self.updates = decay, 0
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.average = [p.detach().float().clone() for p in self.params]
+
+    def update(self) -> None:
+        import torch
+
+        self.updates += 1
+        decay = min(self.decay, (1 + self.updates) / (10 + self.updates))
+        with torch.no_grad():
+            torch._foreach_lerp_(self.average, [p.float() for p in self.params], 1 - decay)
+
+    @contextlib.contextmanager
+    def swapped_in(self):
+        import torch
+
+        kept = [p.detach().clone() for p in self.params]
+        with torch.no_grad():
+            torch._foreach_copy_(self.params, [a.to(p.dtype) for p, a in zip(self.params, self.average)])
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                torch._foreach_copy_(self.params, kept)
+
+
+def averaged(trainer_cls: type, average: WeightAverage) -> type:
+    """`trainer_cls`, evaluating the weight average instead of the weights."""
+
+    class Averaged(trainer_cls):
+        def evaluate(self, *args, **kwargs):
+            with average.swapped_in():
+                return super().evaluate(*args, **kwargs)
+
+    return Averaged
+
+
+def run_arm(arm: str, preset: dict, out_dir: Path, seed: int, hybrid_overrides: dict, budget: float,
+            target: float | None) -> ArmResult:
+    import torch
+    from timing import TrainingClock, add_optimizer_clock, time_hybrid_hooks, timed_trainer
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers.trainer_callback import PrinterCallback
+
+    from hf_hybrid import HybridHFTrainer, HybridTrainingArguments
+
+    cuda = torch.cuda.is_available()
+    model, datasets, eval_set = build_model_and_data(preset, seed)
+
+    hybrid = arm == "hybrid"
+    # Under a decaying schedule the step count defines the schedule: the hybrid keeps the baseline's, and must reach the
+    # target inside it. A constant schedule lets it run on for `budget` times the steps.
+    constant = preset.get("scheduler", "constant_with_warmup").startswith("constant")
+    max_steps = preset["max_steps"]
+    if hybrid and target is not None and constant:
+        max_steps = math.ceil(preset["max_steps"] * budget)
+    common = dict(
+        output_dir=str(out_dir), max_steps=max_steps, per_device_train_batch_size=preset["batch_size"],
+        per_device_eval_batch_size=max(preset["batch_size"], 16), gradient_accumulation_steps=preset["grad_accum"],
+        learning_rate=preset["learning_rate"], lr_scheduler_type=preset.get("scheduler", "constant_with_warmup"),
+        lr_scheduler_kwargs=preset.get("scheduler_kwargs", {}), warmup_steps=preset["warmup_steps"],
+        weight_decay=preset["weight_decay"], optim=preset["optim"],
+        bf16=preset["bf16"] and cuda, eval_strategy="steps", eval_steps=preset["eval_steps"], logging_steps=25,
+        save_strategy="no", report_to="none", seed=seed, data_seed=seed, disable_tqdm=True,
+        dataloader_num_workers=0, use_cpu=not cuda,
+    )
+    result = ArmResult(arm=arm)
+
+    class RealStepEval(TrainerCallback):
+        """Evaluates the hybrid after every `eval_steps` applied updates rather than optimizer steps, so both arms are
+        looked at after the same number of gradient updates. Once predicted steps shift the step count, evaluating
+        on global steps would compare different iterates, and iterates a few steps apart differ in held-out loss
+        by more than a jump gains."""
+
+        updates = 0
+
+        def on_step_end(self, args, state, control, **kwargs):
+            record = trainer._hybrid.last_record if trainer._hybrid is not None else None  # None: --set hybrid=false
+            if record is None or (record.phase.has_backward and not (record.rollback or record.skipped)):
+                self.updates += 1
+                control.should_evaluate = self.updates % preset["eval_steps"] == 0
+
+    if hybrid:
+        time_hybrid_hooks(result, cuda)
+        trainer_cls = timed_trainer(HybridHFTrainer, "TimedHybrid", result, cuda)
+        args = HybridTrainingArguments(**{**common, "eval_strategy": "no"}, **{**preset["hybrid"], **hybrid_overrides})
+    else:
+        trainer_cls = timed_trainer(Trainer, "TimedTrainer", result, cuda)
+        args = TrainingArguments(**common)
+    average = None
+    if arm == "ema":
+        average = WeightAverage(model, EMA_DECAY)
+        trainer_cls = averaged(trainer_cls, average)
+    trainer = trainer_cls(model=model, args=args, train_dataset=datasets["train"], eval_dataset=eval_set)
+    trainer.remove_callback(PrinterCallback)  # one progress line per evaluation instead of the log dicts
+    # Added after construction so they run after the hybrid's own hooks: its per-step work is timed too.
+    if hybrid:
+        trainer.add_callback(RealStepEval())
+    if average is not None:
+
+        class AverageUpdate(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                average.update()
+
+        trainer.add_callback(AverageUpdate())  # before the clock's step end: its cost is training time
+    clock = TrainingClock(trainer, result, target, stop_at_target=hybrid, cuda=cuda)
+    trainer.add_callback(clock)
+    add_optimizer_clock(trainer, result, cuda)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    trainer.train()
+    result.steps = trainer.state.global_step
+    result.n_params = sum(p.numel() for p in model.parameters())
+    result.cuda = cuda
+    result.train_seconds = clock.train_seconds
+    result.tokens = result.steps * preset["batch_size"] * preset["grad_accum"] * preset["block_size"]
+    if not result.evals or result.evals[-1][0] != result.steps:
+        metrics = trainer.evaluate()
+        result.evals.append([result.steps, result.train_seconds, metrics["eval_loss"]])
+    if cuda:
+        result.peak_memory_mb = torch.cuda.max_memory_allocated() / 2**20
+    else:
+        import resource
+
+        result.peak_memory_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if hybrid:
+        result.hybrid_stats = trainer.hybrid_stats()
+    return result
+
+
+def arm_main(spec_json: str) -> None:
+    """The arm process's work: `spec_json` as benchmark.py's `launch` writes it, the result to `arm_result.json`."""
+    spec = json.loads(spec_json)
+    preset = dict(PRESETS[spec["preset"]])
+    if spec["max_steps"]:
+        preset["max_steps"] = spec["max_steps"]
+    if spec["eval_at_end"]:
+        preset["eval_steps"] = preset["max_steps"]
+    if spec["learning_rate"]:
+        preset["learning_rate"] = spec["learning_rate"]
+    out_dir = Path(spec["out_dir"])
+    result = run_arm(spec["arm"], preset, out_dir, spec["seed"], spec["overrides"], spec["budget"], spec["target"])
+    (out_dir / "arm_result.json").write_text(json.dumps(asdict(result)))
+
+

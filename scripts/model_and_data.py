@@ -1,0 +1,47 @@
+"""A preset's model and data: the same starting point in every benchmark arm, in the faults mode and in jump_lab.py.
+Imports the training stack only when called, so that importing this module stays cheap."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+
+def build_model_and_data(preset: dict, seed: int):
+    """The preset's GPT-2, initialized from `seed` or loaded from its pretrained checkpoint (the same start in every
+    arm), optionally wrapped in LoRA adapters, with the preset's shipped corpus in blocks and the evaluation subset."""
+    import torch
+    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+
+    from hf_hybrid.data import build_lm_datasets, load_shipped_corpus, load_shipped_tokenizer
+
+    tokenizer = load_shipped_tokenizer()
+    datasets = build_lm_datasets(load_shipped_corpus(preset.get("corpus", "shakespeare")), tokenizer,
+                                 preset["block_size"])
+    eval_set = datasets["validation"].select(range(min(preset["eval_blocks"], len(datasets["validation"]))))
+    torch.manual_seed(seed)
+    if "pretrained" in preset:
+        model = AutoModelForCausalLM.from_pretrained(pretrained_checkpoint(preset))
+    else:
+        config = GPT2Config(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                            eos_token_id=tokenizer.eos_token_id, **preset["model"])
+        model = GPT2LMHeadModel(config)
+    if torch.cuda.is_available():
+        model.config._attn_implementation = "sdpa"
+    if "lora" in preset:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", fan_in_fan_out=True, **preset["lora"]))
+    return model, datasets, eval_set
+
+
+def pretrained_checkpoint(preset: dict) -> str:
+    """The preset's pretrained checkpoint; trained by the project's recipe the first time (a few minutes on CPU)."""
+    root = Path(__file__).resolve().parent.parent
+    path = root / preset["pretrained"]
+    if not (path / "config.json").exists():
+        print(f"pretraining the checkpoint {path} with {preset['pretrain_recipe']} (first use only)", flush=True)
+        subprocess.run([sys.executable, str(root / "recipes" / "train_clm.py"), "--config",
+                        str(root / preset["pretrain_recipe"]), "--output_dir", str(path)], check=True)
+    return str(path)

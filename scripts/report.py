@@ -1,0 +1,170 @@
+"""The benchmark's report, in the parent process: each arm's summary (time to the target eval loss, throughput, MFU,
+seconds per phase), the printed tables and the eval-loss-against-wall-clock PNG."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+
+from arms import ArmResult
+from presets import EMA_DECAY
+
+H100_BF16_FLOPS = 989e12
+
+
+def time_to(evals: list, target: float) -> float | None:
+    """Training time at which eval loss first reaches `target`, interpolated linearly between the two evals that
+    bracket the crossing (evals are many steps apart; taking the later one would round every arm up)."""
+    previous = None
+    for _, t, loss in evals:
+        if loss <= target:
+            if previous is None or previous[1] <= loss:
+                return t
+            t0, loss0 = previous
+            return t0 + (t - t0) * (loss0 - target) / (loss0 - loss)
+        previous = (t, loss)
+    return None
+
+
+def summarize(arm: ArmResult, target: float | None) -> dict:
+    real = [s for s, p in zip(arm.step_seconds, arm.phases) if p != "predict"]
+    per_phase: dict[str, float] = {}
+    for seconds, phase in zip(arm.step_seconds, arm.phases):
+        per_phase[phase] = per_phase.get(phase, 0.0) + seconds
+    real_steps = sum(p != "predict" for p in arm.phases)
+    tokens_per_step = arm.tokens / max(arm.steps, 1)
+    # A rolled-back jump's batches are trained on again (replay) and its steps made up: count them once.
+    undone = (arm.hybrid_stats or {}).get("undone_steps", 0)
+    # 6 N FLOPs per trained token (forward + backward), against the H100's dense bf16 peak; predicted steps
+    # train no token, so they count for nothing here.
+    mfu = 6 * arm.n_params * tokens_per_step * real_steps / arm.train_seconds / H100_BF16_FLOPS if arm.cuda else None
+    return {
+        "mfu": mfu,
+        "steps": arm.steps,
+        "train_seconds": arm.train_seconds,
+        "final_eval_loss": arm.evals[-1][2],
+        "final_perplexity": math.exp(arm.evals[-1][2]),
+        "time_to_target": time_to(arm.evals, target) if target is not None else None,
+        "tokens_per_second": tokens_per_step * (arm.steps - undone) / arm.train_seconds,
+        "median_real_step_seconds": statistics.median(real) if real else None,
+        "seconds_per_phase": per_phase,
+        "timing": arm.timing,
+        "peak_memory_mb": arm.peak_memory_mb,
+        "hybrid_stats": arm.hybrid_stats,
+        "evals": arm.evals,
+    }
+
+
+def print_table(report: dict) -> None:
+    def med(arm: str, key: str):
+        values = [r[key] for r in report[arm] if r[key] is not None]
+        return statistics.median(values) if values else None
+
+    rows = [
+        ("train wall time (s, median)", med("baseline", "train_seconds"), med("hybrid", "train_seconds"), ".1f"),
+        ("optimizer steps", report["baseline"][0]["steps"], report["hybrid"][0]["steps"], "d"),
+        ("final eval loss", report["baseline"][0]["final_eval_loss"], report["hybrid"][0]["final_eval_loss"], ".4f"),
+        ("final perplexity", report["baseline"][0]["final_perplexity"], report["hybrid"][0]["final_perplexity"],
+         ".2f"),
+        ("time to target (s, median)", med("baseline", "time_to_target"), med("hybrid", "time_to_target"), ".1f"),
+        ("tokens/s (median)", med("baseline", "tokens_per_second"), med("hybrid", "tokens_per_second"), ".0f"),
+        ("median real step (ms)", 1000 * med("baseline", "median_real_step_seconds"),
+         1000 * med("hybrid", "median_real_step_seconds"), ".1f"),
+        ("peak memory (MB)", med("baseline", "peak_memory_mb"), med("hybrid", "peak_memory_mb"), ".0f"),
+    ]
+    if report["baseline"][0]["mfu"] is not None:
+        rows.append(("MFU (trained tokens)", med("baseline", "mfu"), med("hybrid", "mfu"), ".3f"))
+    print(f"\n{report['preset']} ({report['mode']}), {report['repeats']} alternating pairs; "
+          f"target eval loss per pair {', '.join(f'{t:.4f}' for t in report['targets'])}")
+    print(f"{'':32}{'Trainer':>14}{'HybridHFTrainer':>18}")
+    for name, a, b, fmt in rows:
+        fa = "-" if a is None else format(a, fmt)
+        fb = "-" if b is None else format(b, fmt)
+        print(f"{name:32}{fa:>14}{fb:>18}")
+    stats = report["hybrid"][0]["hybrid_stats"] or {}
+    if stats:
+        print(f"phase steps: {stats['phase_steps']}")
+        print(f"backward reduction: {stats['backward_reduction']:.3f}, rollbacks: {stats['rollbacks']}, "
+              f"divergences: {stats['divergences']}")
+        print(f"guard: {stats.get('guard_outliers', 0)} steps flagged, {stats.get('guard_rollbacks', 0)} rollbacks")
+    timing = report["baseline"][0]["timing"]
+    if timing:
+        print("baseline split (s): " + ", ".join(f"{k} {v:.1f}" for k, v in timing.items()))
+    hybrid_timing = report["hybrid"][0]["timing"]
+    hook_seconds = hybrid_timing.get("hybrid_hooks_real", 0.0)
+    real_seconds = sum(v for k, v in report["hybrid"][0]["seconds_per_phase"].items() if k != "predict")
+    if real_seconds:
+        print(f"hybrid hook time on real steps: {hook_seconds:.2f}s = {100 * hook_seconds / real_seconds:.2f}% "
+              "of real-step time")
+        guard_seconds = hybrid_timing.get("guard", 0.0)
+        print(f"guard time (verdicts and snapshots): {guard_seconds:.2f}s = "
+              f"{100 * guard_seconds / real_seconds:.2f}% of real-step time")
+    print("hybrid seconds per phase: " + ", ".join(
+        f"{k} {v:.1f}" for k, v in report["hybrid"][0]["seconds_per_phase"].items()))
+    if report["mode"] == "memory":
+        print_memory(report)
+    elif report["mode"] == "overhead":
+        print(f"hybrid/baseline median real-step time: {report['step_time_ratio_median']:.3f} "
+              f"(pairs: {', '.join(f'{r:.3f}' for r in report['step_time_ratios'])})")
+    else:
+        speedups = ", ".join("not reached" if s is None else f"{s:.2f}x" for s in report["speedups"])
+        median = report["speedup_median"]
+        print(f"time-to-target speedup: {'-' if median is None else f'{median:.2f}x'} (pairs: {speedups})")
+    if "ema" in report:
+        ema = report["ema"][0]
+        speedups = ", ".join("not reached" if s is None else f"{s:.2f}x" for s in report["ema_speedups"])
+        print(f"weight average (EMA {EMA_DECAY}): final eval loss {ema['final_eval_loss']:.4f}, time-to-target "
+              f"speedup over the Trainer: {speedups}")
+
+
+def print_memory(report: dict) -> None:
+    """Peak allocated memory of both arms over the run: the hybrid's extra, and whether it grows."""
+    base, hyb = report["memory_curves"]["baseline"][0], report["memory_curves"]["hybrid"][0]
+    if not base or not hyb:
+        print("memory mode: no CUDA peak-memory curve (CPU run)")
+        return
+    print("step  baseline peak MB  hybrid peak MB  hybrid reserved MB")
+    for (step, b_peak, _), (_, h_peak, h_reserved) in zip(base, hyb):
+        print(f"{step:5d}{b_peak:17.0f}{h_peak:16.0f}{h_reserved:20.0f}")
+    # Growth over the second half: the first samples may predate the first Predict phase, and its undo snapshot.
+    mid = hyb[len(hyb) // 2]
+    last = hyb[-1]
+    print(f"hybrid peak / baseline peak at the end: {last[1] / base[-1][1]:.3f}; hybrid peak growth from step "
+          f"{mid[0]} to {last[0]}: {last[1] - mid[1]:+.0f} MB ({100 * (last[1] - mid[1]) / mid[1]:+.2f}%)")
+
+
+def plot(root: Path, baseline: ArmResult, hybrid: ArmResult, target: float) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib not installed: no PNG; pip install hf-hybrid[plot])")
+        return
+    from hf_hybrid.plotting import shade_phases
+
+    trace_path = root / "hybrid-0" / "hybrid_trace.jsonl"
+    trace = [json.loads(line) for line in trace_path.read_text().splitlines()] if trace_path.exists() else []
+    # The trace's clock includes evaluation pauses; put each step on the training-only clock of the arm.
+    train_clock, elapsed = [], 0.0
+    for seconds in hybrid.step_seconds:
+        elapsed += seconds
+        train_clock.append(elapsed)
+    for row, t in zip(trace, train_clock):
+        row["time"] = t
+    fig, ax = plt.subplots(figsize=(9, 5))
+    if trace:
+        shade_phases(ax, trace, x="time")
+    for arm, style in ((baseline, "k-o"), (hybrid, "C3-s")):
+        ax.plot([t for _, t, _ in arm.evals], [loss for _, _, loss in arm.evals], style, ms=3,
+                label="Trainer" if arm.arm == "baseline" else "HybridHFTrainer")
+    ax.axhline(target, color="grey", ls="--", lw=1, label="target (baseline final)")
+    ax.set_xlabel("training wall clock (s, evaluation excluded)")
+    ax.set_ylabel("eval loss")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(root / "eval_loss_vs_wallclock.png", dpi=120)
+    print(f"wrote {root / 'report.json'} and {root / 'eval_loss_vs_wallclock.png'}")
