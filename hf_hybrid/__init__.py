@@ -11,12 +11,27 @@ from .controller import Phase, PhaseController
 
 if TYPE_CHECKING:
     from .config import HybridTrainingArguments
+    from .sft import HybridSFTConfig, HybridSFTTrainer
     from .trainer import HybridHFTrainer, HybridMixin
 
-__all__ = ["HybridHFTrainer", "HybridMixin", "HybridTrainingArguments", "Phase", "PhaseController"]
+__all__ = [
+    "HybridHFTrainer",
+    "HybridMixin",
+    "HybridSFTConfig",
+    "HybridSFTTrainer",
+    "HybridTrainingArguments",
+    "Phase",
+    "PhaseController",
+]
 __version__ = "0.1.0"
 
-_LAZY = {"HybridTrainingArguments": "config", "HybridHFTrainer": "trainer", "HybridMixin": "trainer"}
+_LAZY = {
+    "HybridTrainingArguments": "config",
+    "HybridHFTrainer": "trainer",
+    "HybridMixin": "trainer",
+    "HybridSFTConfig": "sft",  # needs TRL, which the import names if it is missing
+    "HybridSFTTrainer": "sft",
+}
 
 
 def __getattr__(name: str):

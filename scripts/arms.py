@@ -1,5 +1,6 @@
 """One benchmark arm, in its own process: the Trainer (`baseline`), the Trainer evaluated on a moving average of its
-weights (`ema`) or HybridHFTrainer (`hybrid`), trained on a preset and measured (timing.py), its measurements an
+weights (`ema`), schedule-free AdamW (`sf`, `sf-swept`), the Trainer at the swept learning rate (`swept`) or
+HybridHFTrainer (`hybrid`), trained on a preset and measured (timing.py), its measurements an
 `ArmResult` written as JSON for the parent process. The training stack is imported inside `run_arm`, so that the
 parent process imports this module without it."""
 
@@ -12,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from model_and_data import build_model_and_data
-from presets import EMA_DECAY, PRESETS
+from presets import EMA_DECAY, PRESETS, SCHEDULE_FREE_ARMS
 
 
 @dataclass
@@ -121,6 +122,9 @@ def run_arm(arm: str, preset: dict, out_dir: Path, seed: int, hybrid_overrides: 
                 self.updates += 1
                 control.should_evaluate = self.updates % preset["eval_steps"] == 0
 
+    if arm in SCHEDULE_FREE_ARMS:
+        # The optimizer warms up by itself (the Trainer passes warmup_steps on) and needs no decay: that is its point.
+        common.update(optim="schedule_free_adamw", lr_scheduler_type="constant", lr_scheduler_kwargs={})
     if hybrid:
         time_hybrid_hooks(result, cuda)
         trainer_cls = timed_trainer(HybridHFTrainer, "TimedHybrid", result, cuda)

@@ -5,6 +5,7 @@
     python scripts/benchmark.py --preset cpu-small --mode overhead   # hybrid with prediction off
     python scripts/benchmark.py --preset gpt2-124m --mode memory --max_steps 2000   # peak memory, forced prediction
     python scripts/benchmark.py --preset cpu-small --mode faults     # the guard against injected faults (faults.py)
+    python scripts/benchmark.py --preset cpu-finetune --lr_scale 0.2 --arms hybrid,sf,sf-swept,swept   # unswept LR
 
 Both arms share the model init, data order, seed and settings. Each arm runs in its own process (clean
 timing and peak memory), arms alternate, and `--repeats` pairs are run; medians are reported. The
@@ -25,8 +26,8 @@ from pathlib import Path
 
 from arms import ArmResult, arm_main
 from arms import WeightAverage as WeightAverage  # re-exported: tests/test_weight_average.py imports it from here
-from presets import EMA_DECAY, PRESETS, TUNED_HOST_ALLOCATOR
-from report import plot, print_table, summarize
+from presets import PEER_ARMS, PRESETS, TUNED_HOST_ALLOCATOR
+from report import add_swept_target, plot, print_table, summarize
 
 
 def launch(arm: str, args, out_dir: Path, target: float | None, overrides: dict,
@@ -56,9 +57,15 @@ def main() -> None:
                              "memory curve); faults: clean Trainer, Trainer and hybrid with injected faults; sweep: "
                              "the Trainer alone at each of --learning_rates (the baseline's tuning)")
     parser.add_argument("--arms", default="baseline,hybrid",
-                        help="speed mode: the arms after the baseline, from hybrid and ema (the Trainer, evaluated on "
-                             f"an exponential moving average of its weights, decay {EMA_DECAY})")
+                        help="speed mode: the arms after the baseline: hybrid, and from "
+                             + "; ".join(f"{k} ({v})" for k, v in PEER_ARMS.items()))
     parser.add_argument("--learning_rate", type=float, default=0.0, help="override the preset's, in every arm")
+    parser.add_argument("--lr_scale", type=float, default=1.0,
+                        help="run every arm but swept and sf-swept at this fraction of the preset's swept learning "
+                             "rate: 0.2 is the LR a user runs without a sweep")
+    parser.add_argument("--sf_learning_rate", type=float, default=0.0,
+                        help="the sf-swept arm's learning rate, from schedule-free AdamW's own sweep (default: the "
+                             "preset's)")
     parser.add_argument("--learning_rates", default="", help="sweep mode: comma-separated learning rates")
     parser.add_argument("--faults", default="window,spike,nan",
                         help="faults mode: which faults to inject, from window, spike, nan")
@@ -82,7 +89,7 @@ def main() -> None:
     overrides = {}
     for item in args.set:
         key, _, value = item.partition("=")
-        overrides[key] = json.loads(value) if value not in ("velocity", "adam") else value
+        overrides[key] = json.loads(value) if value not in ("velocity", "adam", "outer") else value
     if args.mode == "overhead":
         overrides["hybrid_confidence_threshold"] = 1.0
     if args.mode == "memory":
@@ -90,17 +97,24 @@ def main() -> None:
     root = Path(args.output_dir) / f"{args.preset}-{args.mode}"
     if args.mode == "sweep":
         return sweep(args, root)
-    baselines, hybrids, averages = [], [], []
+    swept_lr = PRESETS[args.preset]["learning_rate"]
+    lr = args.learning_rate or swept_lr * args.lr_scale
+    peer_lrs = {"ema": lr, "sf": lr, "sf-swept": args.sf_learning_rate or swept_lr, "swept": swept_lr}
+    peers = {name: [] for name in PEER_ARMS if name in args.arms.split(",")}
+    baselines, hybrids = [], []
     for r in range(args.repeats):
-        base = launch("baseline", args, root / f"baseline-{r}", target=None, overrides={})
+        base = launch("baseline", args, root / f"baseline-{r}", target=None, overrides={}, learning_rate=lr)
         target = base.evals[-1][2]
         baselines.append(base)
-        if "ema" in args.arms.split(","):
-            averages.append(launch("ema", args, root / f"ema-{r}", target=None, overrides={}))
-            print(f"[pair {r}] weight average: eval {averages[-1].evals[-1][2]:.4f}", flush=True)
-        # Outside the speed mode both arms run the same steps; in it the hybrid chases the target.
-        hyb = launch("hybrid", args, root / f"hybrid-{r}", target=target if args.mode == "speed" else None,
-                     overrides=overrides)
+        for name, results in peers.items():
+            results.append(launch(name, args, root / f"{name}-{r}", target=None, overrides={},
+                                  learning_rate=peer_lrs[name]))
+            print(f"[pair {r}] {PEER_ARMS[name]}: eval {results[-1].evals[-1][2]:.4f}", flush=True)
+        # Outside the speed mode both arms run the same steps; in it the hybrid chases the target, or the swept
+        # Trainer's loss where that is lower.
+        chase = min(target, peers["swept"][-1].evals[-1][2]) if "swept" in peers else target
+        hyb = launch("hybrid", args, root / f"hybrid-{r}", target=chase if args.mode == "speed" else None,
+                     overrides=overrides, learning_rate=lr)
         hybrids.append(hyb)
         print(f"[pair {r}] baseline {base.train_seconds:.1f}s eval {target:.4f} | hybrid {hyb.train_seconds:.1f}s "
               f"eval {hyb.evals[-1][2]:.4f} reached={hyb.reached_step}", flush=True)
@@ -110,12 +124,16 @@ def main() -> None:
     targets = [b.evals[-1][2] for b in baselines]
     report = {"preset": args.preset, "mode": args.mode, "repeats": args.repeats, "target_eval_loss": targets[0],
               "targets": targets, "overrides": overrides, "preset_settings": PRESETS[args.preset],
+              "learning_rate": lr, "lr_scale": args.lr_scale,
               "baseline": [summarize(b, t) for b, t in zip(baselines, targets)],
               "hybrid": [summarize(h, t) for h, t in zip(hybrids, targets)]}
-    if averages:
-        report["ema"] = [summarize(a, t) for a, t in zip(averages, targets)]
-        report["ema_speedups"] = [b["time_to_target"] / a["time_to_target"] if a["time_to_target"] else None
-                                  for b, a in zip(report["baseline"], report["ema"])]
+    for name, results in peers.items():
+        report[name] = [summarize(a, t) for a, t in zip(results, targets)]
+        report[f"{name}_speedups"] = [b["time_to_target"] / a["time_to_target"] if a["time_to_target"] else None
+                                      for b, a in zip(report["baseline"], report[name])]
+        report[f"{name}_learning_rate"] = peer_lrs[name]
+    if "swept" in peers:
+        add_swept_target(report, [s.evals[-1][2] for s in peers["swept"]], ["baseline", "hybrid", *peers])
     if args.mode == "memory":
         report["memory_curves"] = {"baseline": [b.memory_curve for b in baselines],
                                    "hybrid": [h.memory_curve for h in hybrids]}

@@ -61,3 +61,14 @@ EMA_DECAY = 0.99  # the averaging arm's; about a 100-step window
 # (the 25 MB tied embedding on cpu-small) every step. Measured on cpu-small, 80 steps: median step 0.38 s
 # (baseline) and 0.46 s (hybrid, whose extra buffers change the heap layout) fell to 0.27 s and 0.28 s.
 TUNED_HOST_ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": str(2**32), "MALLOC_TRIM_THRESHOLD_": str(2**32)}
+
+# The arms that run beside the baseline and the hybrid (`--arms`), and what each is: the Trainer evaluated on a moving
+# average of its weights; schedule-free AdamW at the arm's learning rate and at its own swept one; the Trainer at the
+# preset's swept learning rate, whose final loss is the second target when the others run below it (`--lr_scale`).
+PEER_ARMS = {
+    "ema": f"Trainer + EMA {EMA_DECAY}",
+    "sf": "schedule-free AdamW",
+    "sf-swept": "schedule-free AdamW, swept LR",
+    "swept": "Trainer at the swept LR",
+}
+SCHEDULE_FREE_ARMS = ("sf", "sf-swept")

@@ -9,7 +9,7 @@ import statistics
 from pathlib import Path
 
 from arms import ArmResult
-from presets import EMA_DECAY
+from presets import PEER_ARMS
 
 H100_BF16_FLOPS = 989e12
 
@@ -55,6 +55,42 @@ def summarize(arm: ArmResult, target: float | None) -> dict:
         "hybrid_stats": arm.hybrid_stats,
         "evals": arm.evals,
     }
+
+
+def add_swept_target(report: dict, swept_targets: list[float], arms: list[str]) -> None:
+    """The second target, the swept Trainer's final loss per pair: each arm's time to it, and its speedup over the
+    baseline at the swept LR (the `swept` arm), which is what a user gains against running the tuned LR."""
+    report["swept_targets"] = swept_targets
+    for arm in arms:
+        for summary, target in zip(report[arm], swept_targets):
+            summary["time_to_swept_target"] = time_to(summary["evals"], target)
+    report["swept_target_speedups"] = {
+        arm: [w["time_to_swept_target"] / s["time_to_swept_target"] if s["time_to_swept_target"] else None
+              for w, s in zip(report["swept"], report[arm])]
+        for arm in arms
+    }
+
+
+def print_peers(report: dict) -> None:
+    """One line per arm: final loss and time-to-target speedup against the baseline at the same LR, and against the
+    swept Trainer's loss."""
+    print(f"\narms at lr {report['learning_rate']:g} (x{report['lr_scale']:g} the preset's), time-to-target speedup "
+          "over the Trainer, per pair:")
+    swept = report.get("swept_target_speedups", {})
+    for arm in ("hybrid", *PEER_ARMS):
+        if arm not in report:
+            continue
+        speedups = report["speedups"] if arm == "hybrid" else report[f"{arm}_speedups"]
+        label = "HybridHFTrainer" if arm == "hybrid" else PEER_ARMS[arm]
+        line = (f"  {label:32} final {statistics.median(r['final_eval_loss'] for r in report[arm]):.4f}  "
+                f"vs same-LR Trainer: {_speedups(speedups)}")
+        if arm in swept:
+            line += f"  | vs swept Trainer's loss: {_speedups(swept[arm])}"
+        print(line)
+
+
+def _speedups(values: list) -> str:
+    return ", ".join("not reached" if s is None else f"{s:.2f}x" for s in values)
 
 
 def print_table(report: dict) -> None:
@@ -112,11 +148,8 @@ def print_table(report: dict) -> None:
         speedups = ", ".join("not reached" if s is None else f"{s:.2f}x" for s in report["speedups"])
         median = report["speedup_median"]
         print(f"time-to-target speedup: {'-' if median is None else f'{median:.2f}x'} (pairs: {speedups})")
-    if "ema" in report:
-        ema = report["ema"][0]
-        speedups = ", ".join("not reached" if s is None else f"{s:.2f}x" for s in report["ema_speedups"])
-        print(f"weight average (EMA {EMA_DECAY}): final eval loss {ema['final_eval_loss']:.4f}, time-to-target "
-              f"speedup over the Trainer: {speedups}")
+    if any(arm in report for arm in PEER_ARMS):
+        print_peers(report)
 
 
 def print_memory(report: dict) -> None:

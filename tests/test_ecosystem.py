@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -62,20 +61,21 @@ def lm_loss(model, dataset: Dataset, n: int = 64) -> float:
 
 def _sft_classes():
     trl = pytest.importorskip("trl")
+    from hf_hybrid import HybridSFTConfig, HybridSFTTrainer
 
-    # SFTConfig first: dataclass fields are collected along the reversed MRO, and HybridTrainingArguments
-    # carries every TrainingArguments field with the *TrainingArguments* default. With
-    # (HybridTrainingArguments, SFTConfig) those would silently undo TRL's default overrides (learning_rate
-    # 2e-5, logging_steps 10, gradient_checkpointing, bf16). Either order gives isinstance(...,
-    # HybridTrainingArguments), so the mixin reads the hybrid flags, and __post_init__ still validates them.
-    @dataclass
-    class HybridSFTConfig(trl.SFTConfig, HybridTrainingArguments):
-        pass
-
-    class HybridSFTTrainer(HybridMixin, trl.SFTTrainer):
-        pass
-
+    assert issubclass(HybridSFTTrainer, trl.SFTTrainer) and issubclass(HybridSFTTrainer, HybridMixin)
     return trl, HybridSFTConfig, HybridSFTTrainer
+
+
+def test_without_trl_the_sft_classes_name_the_package_to_install(monkeypatch):
+    import sys
+
+    import hf_hybrid
+
+    monkeypatch.setitem(sys.modules, "trl", None)  # what an environment without TRL gives `import trl`
+    monkeypatch.delitem(sys.modules, "hf_hybrid.sft", raising=False)
+    with pytest.raises(ImportError, match="need TRL, which is not installed: pip install trl"):
+        hf_hybrid.HybridSFTTrainer  # noqa: B018
 
 
 def _sft_text() -> Dataset:
