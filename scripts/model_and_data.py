@@ -3,6 +3,7 @@ Imports the training stack only when called, so that importing this module stays
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -14,11 +15,10 @@ def build_model_and_data(preset: dict, seed: int):
     import torch
     from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
-    from hf_hybrid.data import build_lm_datasets, load_shipped_corpus, load_shipped_tokenizer
+    from hf_hybrid.data import load_shipped_tokenizer
 
     tokenizer = load_shipped_tokenizer()
-    datasets = build_lm_datasets(load_shipped_corpus(preset.get("corpus", "shakespeare")), tokenizer,
-                                 preset["block_size"])
+    datasets = tokenized_corpus(preset.get("corpus", "shakespeare"), preset["block_size"])
     eval_set = datasets["validation"].select(range(min(preset["eval_blocks"], len(datasets["validation"]))))
     torch.manual_seed(seed)
     if "pretrained" in preset:
@@ -34,6 +34,14 @@ def build_model_and_data(preset: dict, seed: int):
 
         model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", fan_in_fan_out=True, **preset["lora"]))
     return model, datasets, eval_set
+
+
+@functools.lru_cache
+def tokenized_corpus(corpus: str, block_size: int):
+    """A shipped corpus in blocks, tokenized once per process however many arms train on it."""
+    from hf_hybrid.data import build_lm_datasets, load_shipped_corpus, load_shipped_tokenizer
+
+    return build_lm_datasets(load_shipped_corpus(corpus), load_shipped_tokenizer(), block_size)
 
 
 def pretrained_checkpoint(preset: dict) -> str:

@@ -1,0 +1,241 @@
+"""The demo, `make demo`: the product in about three minutes on 2 CPU cores, ending on one summary screen.
+
+1. The guard saving a run: the Trainer with injected faults (a window of random-label batches, a 100x learning-rate
+   spike, a NaN loss) against HybridHFTrainer with the same faults, and a clean Trainer as the reference.
+2. Speed where a jump pays: the Trainer against HybridHFTrainer with the outer-momentum predictor, both at one fifth of
+   the preset's swept learning rate (the LR a user runs without a sweep), timed to the Trainer's final eval loss; the
+   swept-LR result is quoted beside it from its recorded report.
+
+Everything runs in this process on one tokenized copy of the shipped corpus. Reports (JSON) and plots (PNG) go to
+--output_dir.
+
+    python scripts/demo.py                 # the demo preset
+    python scripts/demo.py --preset smoke  # seconds, for the test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import faults  # noqa: E402
+from presets import DEMO_SWEPT_REPORT, PRESETS  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def quiet() -> None:
+    """Only what the demo and hf_hybrid say: no progress bars from datasets, no notices from transformers."""
+    import datasets
+    import transformers
+
+    datasets.disable_progress_bars()
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def speed_arm(arm: str, preset: dict, learning_rate: float, seed: int, out_dir: Path, progress) -> dict:
+    """One arm of the speed A/B: eval loss against training wall time (evaluation excluded)."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers.trainer_callback import PrinterCallback
+
+    from hf_hybrid import HybridHFTrainer, HybridTrainingArguments
+
+    model, data, eval_set = faults.build_model_and_data(preset, seed)
+    common = dict(
+        output_dir=str(out_dir), max_steps=preset["max_steps"], per_device_train_batch_size=preset["batch_size"],
+        per_device_eval_batch_size=16, learning_rate=learning_rate, lr_scheduler_type="linear",
+        warmup_steps=preset["warmup_steps"], weight_decay=preset["weight_decay"], eval_strategy="no",
+        logging_steps=10**6, save_strategy="no", report_to="none", seed=seed,
+        data_seed=seed, disable_tqdm=True, use_cpu=True,
+    )
+    if arm == "hybrid":
+        trainer_cls, args = HybridHFTrainer, HybridTrainingArguments(**common, hybrid_predictor="outer")
+    else:
+        trainer_cls, args = Trainer, TrainingArguments(**common)
+    evals: list[list[float]] = []
+
+    class Clock(TrainerCallback):
+        """Training time only: the clock stops while the Trainer evaluates. Both arms are evaluated after the same
+        number of updates in effect (a jump or a rolled-back step is not one): an evaluation draws from the RNG that
+        dropout uses, so evaluating at other points would make the arms' training differ."""
+
+        def __init__(self) -> None:
+            self.seconds, self.started, self.updates = 0.0, None, 0
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.started = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.seconds += time.perf_counter() - self.started
+            record = trainer._hybrid.last_record if getattr(trainer, "_hybrid", None) is not None else None
+            if record is None or (record.phase.has_backward and not (record.rollback or record.skipped)):
+                self.updates += 1
+                control.should_evaluate = self.updates % preset["eval_steps"] == 0
+            if state.global_step % 10 == 0:
+                progress(f"{arm}: step {state.global_step}/{state.max_steps}")
+
+        def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+            evals.append([state.global_step, self.seconds, metrics["eval_loss"]])
+
+    trainer = trainer_cls(model=model, args=args, train_dataset=data["train"], eval_dataset=eval_set)
+    trainer.remove_callback(PrinterCallback)
+    trainer.add_callback(Clock())
+    trainer.train()
+    stats = trainer.hybrid_stats() if arm == "hybrid" else None
+    return {"arm": arm, "learning_rate": learning_rate, "evals": evals, "final_eval_loss": evals[-1][2],
+            "hybrid_stats": stats}
+
+
+def time_to(evals: list, target: float) -> float | None:
+    from report import time_to as interpolated
+
+    return interpolated(evals, target)
+
+
+def run_faults(preset: dict, seed: int, out: Path) -> dict:
+    preset = dict(preset, eval_steps=max(preset["max_steps"] // 6, 1))
+    plan = faults.FaultPlan.for_run(preset["max_steps"], faults.ALL_FAULTS)
+    arms = {arm: faults.run_arm(arm, dict(preset), plan, seed, out / arm)
+            for arm in ("trainer-clean", "trainer-faults", "hybrid-faults")}
+    clean = arms["trainer-clean"]["final_eval_loss"]
+    report = {"seed": seed, "max_steps": preset["max_steps"], "faults": list(faults.ALL_FAULTS),
+              "plan": plan.describe(), "arms": arms,
+              "damage": {arm: r["final_eval_loss"] - clean for arm, r in arms.items() if arm != "trainer-clean"}}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    faults.plot(out, report)
+    return report
+
+
+def run_speed(preset: dict, seed: int, out: Path, progress) -> dict:
+    lr = preset["learning_rate"] * preset["demo_lr_scale"]
+    arms = {arm: speed_arm(arm, preset, lr, seed, out / arm, progress) for arm in ("baseline", "hybrid")}
+    target = arms["baseline"]["final_eval_loss"]
+    times = {arm: time_to(r["evals"], target) for arm, r in arms.items()}
+    speedup = times["baseline"] / times["hybrid"] if times["hybrid"] else None
+    report = {"seed": seed, "learning_rate": lr, "swept_learning_rate": preset["learning_rate"], "target": target,
+              "time_to_target": times, "speedup": speedup, "arms": arms}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    return report
+
+
+def _loss(value: float) -> str:
+    return "NaN" if math.isnan(value) else f"{value:.3f}"
+
+
+def _damage(value: float) -> str:
+    return "ruined: NaN" if math.isnan(value) else f"{value:+.3f} from the clean run"
+
+
+def summary(faults_report: dict, speed: dict, swept: dict | None, out: Path, seconds: float) -> str:
+    """The one screen the demo ends on."""
+    arms, damage = faults_report["arms"], faults_report["damage"]
+    guard = arms["hybrid-faults"]["hybrid_stats"]
+    stats = speed["arms"]["hybrid"]["hybrid_stats"]
+    times = speed["time_to_target"]
+    result = "not reached" if speed["speedup"] is None else f"{speed['speedup']:.2f}x"
+    lines = [
+        f"hf_hybrid demo, {seconds / 60:.1f} min on this machine",
+        "",
+        f"GUARD   faults injected: {faults_report['plan']}",
+        f"  Trainer, clean run               eval loss {_loss(arms['trainer-clean']['final_eval_loss'])}",
+        f"  Trainer, with the faults         eval loss {_loss(arms['trainer-faults']['final_eval_loss'])}"
+        f"   ({_damage(damage['trainer-faults'])})",
+        f"  HybridHFTrainer, same faults     eval loss {_loss(arms['hybrid-faults']['final_eval_loss'])}"
+        f"   ({_damage(damage['hybrid-faults'])})",
+        f"  the guard flagged {guard['guard_outliers']} steps: {guard['skipped_steps']} skipped, "
+        f"{guard['guard_rollbacks']} rolled back to a snapshot",
+        "",
+        f"SPEED   the LR a user runs without a sweep: {speed['learning_rate']:.2g}, 1/5 of the swept "
+        f"{speed['swept_learning_rate']:.2g}",
+        f"  time to the Trainer's final eval loss ({speed['target']:.3f}): Trainer {times['baseline']:.1f} s, "
+        f"HybridHFTrainer (outer momentum) " + ("-" if times["hybrid"] is None else f"{times['hybrid']:.1f} s")
+        + f": {result}",
+        f"  {stats['predictions_kept']} of {stats['predictions_judged']} jumps kept, worth about "
+        f"{stats['jump_worth_steps']:.0f} real steps",
+    ]
+    if swept is not None:
+        lines.append(f"  at the swept LR (recorded: {swept['path']}): {swept['result']}")
+    lines += [
+        "",
+        f"REPORTS {out / 'faults' / 'report.json'}, {out / 'speed' / 'report.json'}",
+        f"PLOTS   {out / 'faults' / 'eval_loss_vs_step.png'}, {out / 'speed' / 'eval_loss_vs_wallclock.png'}",
+    ]
+    return "\n".join(lines)
+
+
+def plot_speed(out: Path, speed: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for arm, style, label in (("baseline", "k-o", "Trainer"), ("hybrid", "C3-s", "HybridHFTrainer (outer momentum)")):
+        evals = speed["arms"][arm]["evals"]
+        ax.plot([t for _, t, _ in evals], [loss for _, _, loss in evals], style, ms=3, label=label)
+    ax.axhline(speed["target"], color="grey", ls="--", lw=1, label="target: the Trainer's final eval loss")
+    ax.set_xlabel("training wall clock (s, evaluation excluded)")
+    ax.set_ylabel("eval loss")
+    ax.set_title(f"learning rate {speed['learning_rate']:.2g} (1/5 of the swept {speed['swept_learning_rate']:.2g})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "eval_loss_vs_wallclock.png", dpi=110)
+    plt.close(fig)
+
+
+def recorded_swept_result(preset_name: str) -> dict | None:
+    """The speed A/B at the swept LR, as recorded by `python scripts/demo.py --lr_scale 1 --skip_faults`."""
+    path = ROOT / DEMO_SWEPT_REPORT
+    if preset_name != "demo" or not path.exists():
+        return None
+    report = json.loads(path.read_text())
+    stats = report["arms"]["hybrid"]["hybrid_stats"]
+    result = "not reached" if report["speedup"] is None else f"{report['speedup']:.2f}x"
+    return {"path": DEMO_SWEPT_REPORT, "result": f"{result}; {stats['predictions_kept']} of "
+            f"{stats['predictions_judged']} jumps kept, retired: {stats['retired']}"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=["demo", "smoke"], default="demo")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lr_scale", type=float, default=0.2, help="the speed A/B's fraction of the swept LR")
+    parser.add_argument("--skip_faults", action="store_true", help="the speed A/B alone")
+    parser.add_argument("--output_dir", default="runs/demo")
+    args = parser.parse_args()
+    quiet()
+    started = time.perf_counter()
+
+    def progress(message: str) -> None:
+        print(f"  [{time.perf_counter() - started:5.0f}s] {message}", flush=True)
+
+    preset = dict(PRESETS[args.preset], demo_lr_scale=args.lr_scale)
+    out = Path(args.output_dir)
+    progress("tokenizing the shipped corpus (once)")
+    faults.build_model_and_data(preset, args.seed)
+    faults_report = None
+    if not args.skip_faults:
+        progress("1/2 the guard: a clean Trainer, the Trainer with faults, the hybrid with the same faults")
+        faults_report = run_faults(preset, args.seed, out / "faults")
+    progress(f"2/2 speed at {args.lr_scale:g}x the swept learning rate: the Trainer, then the hybrid")
+    speed = run_speed(preset, args.seed, out / "speed", progress)
+    plot_speed(out / "speed", speed)
+    if faults_report is None:
+        print(json.dumps({k: speed[k] for k in ("learning_rate", "target", "time_to_target", "speedup")}))
+        return
+    screen = summary(faults_report, speed, recorded_swept_result(args.preset), out, time.perf_counter() - started)
+    (out / "summary.txt").write_text(screen + "\n")
+    print("\n" + "=" * 100 + "\n" + screen + "\n" + "=" * 100)
+
+
+if __name__ == "__main__":
+    main()
