@@ -55,11 +55,11 @@ class HybridTrainingArguments(TrainingArguments):
             Correct steps, no confidence gate).
         hybrid_velocity_beta (`float`, defaults to `0.95`):
             EMA decay of the `velocity` predictor, in [0, 1).
-        hybrid_outer_period (`int`, defaults to `10`):
+        hybrid_outer_period (`int`, defaults to `30`):
             Real steps between two jumps of the `outer` predictor (DiLoCo's H).
-        hybrid_outer_lr (`float`, defaults to `0.7`):
+        hybrid_outer_lr (`float`, defaults to `0.6`):
             Outer learning rate of the `outer` predictor; 1 with no momentum is no jump at all.
-        hybrid_outer_momentum (`float`, defaults to `0.5`):
+        hybrid_outer_momentum (`float`, defaults to `0.9`):
             Nesterov momentum of the `outer` predictor, in [0, 1).
         hybrid_monitor_interval (`int`, defaults to `1`):
             Run a forward pass to check the loss on every N-th predicted step (and always on a phase's last);
@@ -133,10 +133,10 @@ class HybridTrainingArguments(TrainingArguments):
     )
     hybrid_predictor: PredictorName = field(default="velocity", metadata={"help": "Delta predictor."})
     hybrid_velocity_beta: float = field(default=0.95, metadata={"help": "EMA decay of the velocity predictor."})
-    hybrid_outer_period: int = field(default=10, metadata={"help": "Real steps between outer-momentum jumps (H)."})
-    hybrid_outer_lr: float = field(default=0.7, metadata={"help": "Outer learning rate of the outer predictor."})
+    hybrid_outer_period: int = field(default=30, metadata={"help": "Real steps between outer-momentum jumps (H)."})
+    hybrid_outer_lr: float = field(default=0.6, metadata={"help": "Outer learning rate of the outer predictor."})
     hybrid_outer_momentum: float = field(
-        default=0.5, metadata={"help": "Nesterov momentum of the outer predictor, in [0, 1)."}
+        default=0.9, metadata={"help": "Nesterov momentum of the outer predictor, in [0, 1)."}
     )
     hybrid_monitor_interval: int = field(
         default=1, metadata={"help": "Check the loss with a forward pass on every N-th predicted step."}

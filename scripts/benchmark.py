@@ -124,7 +124,7 @@ def main() -> None:
     targets = [b.evals[-1][2] for b in baselines]
     report = {"preset": args.preset, "mode": args.mode, "repeats": args.repeats, "target_eval_loss": targets[0],
               "targets": targets, "overrides": overrides, "preset_settings": PRESETS[args.preset],
-              "learning_rate": lr, "lr_scale": args.lr_scale,
+              "learning_rate": lr, "lr_scale": args.lr_scale, "swept_learning_rate": swept_lr,
               "baseline": [summarize(b, t) for b, t in zip(baselines, targets)],
               "hybrid": [summarize(h, t) for h, t in zip(hybrids, targets)]}
     for name, results in peers.items():

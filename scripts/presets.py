@@ -66,7 +66,7 @@ TUNED_HOST_ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": str(2**32), "MALLOC_TRIM_THRES
 # average of its weights; schedule-free AdamW at the arm's learning rate and at its own swept one; the Trainer at the
 # preset's swept learning rate, whose final loss is the second target when the others run below it (`--lr_scale`).
 PEER_ARMS = {
-    "ema": f"Trainer + EMA {EMA_DECAY}",
+    "ema": f"weight average (EMA {EMA_DECAY})",
     "sf": "schedule-free AdamW",
     "sf-swept": "schedule-free AdamW, swept LR",
     "swept": "Trainer at the swept LR",

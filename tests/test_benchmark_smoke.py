@@ -43,3 +43,17 @@ def test_sweep_runs_the_trainer_at_each_learning_rate(tmp_path):
     finals = {row["learning_rate"]: row["final_eval_loss"] for row in sweep["runs"]}
     assert set(finals) == {1e-4, 3e-3} and finals[1e-4] != finals[3e-3]
     assert sweep["best_learning_rate"] == min(finals, key=finals.get)
+
+
+def test_the_unswept_regime_runs_every_arm_at_a_fifth_and_reports_both_targets(tmp_path):
+    done = run("--repeats", "1", "--lr_scale", "0.2", "--arms", "hybrid,sf,swept", "--set", "hybrid_predictor=outer",
+               "--output_dir", str(tmp_path))
+    report = json.loads((tmp_path / "smoke-speed" / "report.json").read_text())
+    assert report["learning_rate"] == 0.2 * 3e-3 and report["swept_learning_rate"] == 3e-3
+    assert report["overrides"] == {"hybrid_predictor": "outer"}
+    # The swept Trainer trains the same steps at five times the LR: another loss, and the second target.
+    swept, baseline, sf = report["swept"][0], report["baseline"][0], report["sf"][0]
+    assert report["swept_targets"] == [swept["final_eval_loss"]] != [baseline["final_eval_loss"]]
+    assert report["swept_target_speedups"]["swept"] == [1.0]
+    assert sf["steps"] == baseline["steps"] and sf["final_eval_loss"] != baseline["final_eval_loss"]
+    assert "schedule-free AdamW" in done.stdout and "vs swept Trainer's loss" in done.stdout

@@ -25,8 +25,8 @@ class OuterMomentumPredictor(Predictor):
     name = "outer"
     uses_updates = False
 
-    def __init__(self, params: list[Tensor], optimizer: torch.optim.Optimizer, period: int = 10,
-                 outer_lr: float = 0.7, momentum: float = 0.5) -> None:
+    def __init__(self, params: list[Tensor], optimizer: torch.optim.Optimizer, period: int = 30,
+                 outer_lr: float = 0.6, momentum: float = 0.9) -> None:
         super().__init__(params, optimizer)
         self.period, self.outer_lr, self.momentum = period, outer_lr, momentum
         self.anchor: list[Tensor] | None = None

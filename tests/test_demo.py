@@ -1,0 +1,32 @@
+"""`make demo`'s entry point as a user runs it, at the seconds-long smoke size: it ends on the summary screen, with
+the guard's outcome, the speed outcome and its regime, and the paths of the reports and plots it wrote."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "demo.py"
+
+
+def test_demo_ends_on_one_summary_screen(tmp_path):
+    done = subprocess.run([sys.executable, str(SCRIPT), "--preset", "smoke", "--output_dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    screen = (tmp_path / "summary.txt").read_text()
+    assert screen in done.stdout and len(screen.splitlines()) <= 25
+    for needle in ("GUARD", "Trainer, clean run", "Trainer, with the faults", "HybridHFTrainer, same faults",
+                   "the guard flagged", "SPEED", "1/5 of the swept", "time to the Trainer's final eval loss"):
+        assert needle in screen, needle
+    faults = json.loads((tmp_path / "faults" / "report.json").read_text())
+    speed = json.loads((tmp_path / "speed" / "report.json").read_text())
+    assert set(faults["arms"]) == {"trainer-clean", "trainer-faults", "hybrid-faults"}
+    assert speed["learning_rate"] == 0.2 * speed["swept_learning_rate"]
+    assert f"{speed['target']:.3f}" in screen
+    for path in ("faults/report.json", "speed/report.json", "faults/eval_loss_vs_step.png",
+                 "speed/eval_loss_vs_wallclock.png"):
+        assert str(tmp_path / path) in screen and (tmp_path / path).stat().st_size > 0
+    # Quiet: no progress bars and no transformers notices, only the demo's own lines and hf_hybrid's.
+    assert "Tokenizing" not in done.stdout + done.stderr and "loss_type" not in done.stdout + done.stderr
