@@ -47,7 +47,7 @@ class HybridTrainingArguments(TrainingArguments):
             After this many jumps in a row are rolled back (by the payoff check or a divergence), stop predicting
             for the rest of the run and give back the predictor's buffers: the run then costs what the Trainer
             does, plus a loss and gradient-norm check per step. 0 never stops.
-        hybrid_predictor (`str`, defaults to `"velocity"`):
+        hybrid_predictor (`str`, defaults to `"outer"`):
             How deltas are predicted: `velocity` (EMA of real updates per unit learning rate, one extra
             parameter-sized buffer), `adam` (AdamW's step with its moments held fixed, no extra buffer) or `outer`
             (an outer Nesterov step on the pseudo-gradient every `hybrid_outer_period` real steps, as DiLoCo with
@@ -131,7 +131,7 @@ class HybridTrainingArguments(TrainingArguments):
     hybrid_max_rejections: int = field(
         default=3, metadata={"help": "Stop predicting after this many rolled-back jumps in a row (0 = never)."}
     )
-    hybrid_predictor: PredictorName = field(default="velocity", metadata={"help": "Delta predictor."})
+    hybrid_predictor: PredictorName = field(default="outer", metadata={"help": "Delta predictor."})
     hybrid_velocity_beta: float = field(default=0.95, metadata={"help": "EMA decay of the velocity predictor."})
     hybrid_outer_period: int = field(default=30, metadata={"help": "Real steps between outer-momentum jumps (H)."})
     hybrid_outer_lr: float = field(default=0.6, metadata={"help": "Outer learning rate of the outer predictor."})
@@ -218,7 +218,8 @@ def validate_hybrid_settings(settings) -> None:
     if settings.hybrid_vram_min_free_mb < 0:
         bad("hybrid_vram_min_free_mb", "must be >= 0")
     if settings.hybrid_offload_optimizer_state and settings.hybrid_predictor == "adam":
-        bad("hybrid_offload_optimizer_state", "needs --hybrid_predictor velocity: 'adam' reads the optimizer state")
+        bad("hybrid_offload_optimizer_state",
+            "needs --hybrid_predictor velocity or outer: 'adam' reads the optimizer state")
 
 
 def hybrid_settings(args: TrainingArguments) -> HybridTrainingArguments | SimpleNamespace:

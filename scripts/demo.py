@@ -56,7 +56,7 @@ def speed_arm(arm: str, preset: dict, learning_rate: float, seed: int, out_dir: 
         data_seed=seed, disable_tqdm=True, use_cpu=True,
     )
     if arm == "hybrid":
-        trainer_cls, args = HybridHFTrainer, HybridTrainingArguments(**common, hybrid_predictor="outer")
+        trainer_cls, args = HybridHFTrainer, HybridTrainingArguments(**common)  # the library's defaults
     else:
         trainer_cls, args = Trainer, TrainingArguments(**common)
     evals: list[list[float]] = []

@@ -17,7 +17,7 @@ PRESETS = {
         model=dict(n_layer=1, n_embd=32, n_head=2, n_positions=32),
         block_size=32, batch_size=4, grad_accum=1, max_steps=12, eval_steps=6, eval_blocks=8,
         learning_rate=3e-3, warmup_steps=2, weight_decay=0.0, optim="adamw_torch", bf16=False,
-        hybrid=dict(hybrid_warmup_steps=3, hybrid_full_steps=2, hybrid_max_predict_steps=3,
+        hybrid=dict(hybrid_warmup_steps=3, hybrid_outer_period=3, hybrid_full_steps=2, hybrid_max_predict_steps=3,
                     hybrid_min_predict_steps=1, hybrid_correct_steps=1, hybrid_confidence_threshold=0.0),
     ),
     # GPT2Config defaults (124M), from scratch, on the tuned GPU baseline: bf16, fused AdamW, SDPA. The shipped corpus

@@ -37,8 +37,10 @@ def token_dataset(n: int = 512, seed: int = 0) -> Dataset:
 
 
 # A schedule that makes a 40-step run predict several times; no payoff gate, a loose band (tests that need the
-# gate or the band set them).
+# gate or the band set them). The velocity predictor's multi-step Predict and Correct phases are what these tests
+# exercise; the outer predictor sets its own schedule (tests/test_outer.py).
 FAST_SCHEDULE = dict(
+    hybrid_predictor="velocity",
     hybrid_warmup_steps=5,
     hybrid_full_steps=3,
     hybrid_max_predict_steps=4,

@@ -19,7 +19,7 @@ def test_flags_show_in_help(capsys):
     for name in ("hybrid", "hybrid_warmup_steps", "hybrid_full_steps", "hybrid_max_predict_steps",
                  "hybrid_correct_steps", "hybrid_confidence_threshold", "hybrid_predictor"):
         assert f"--{name}" in help_text
-    assert "{velocity,adam}" in help_text
+    assert "{velocity,adam,outer}" in help_text
     assert all(f.metadata.get("help") for f in HYBRID_FIELDS)
 
 

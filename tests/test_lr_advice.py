@@ -8,8 +8,9 @@ from hf_hybrid.lr_advice import jump_advice
 
 from .conftest import make_trainer
 
-OUTER = dict(hybrid_predictor="outer", hybrid_outer_period=5, hybrid_payoff_check=True, hybrid_loss_band=3.0,
-             max_steps=120, logging_steps=1000)
+# Short cycles for a 120-step run of the tiny model, whose tuned learning rate is about 3e-3.
+OUTER = dict(hybrid_predictor="outer", hybrid_outer_period=5, hybrid_outer_lr=0.7, hybrid_outer_momentum=0.5,
+             hybrid_payoff_check=True, hybrid_loss_band=3.0, max_steps=120, logging_steps=1000)
 
 
 def advice_after_training(tmp_out, learning_rate: float, caplog) -> tuple[dict, str]:

@@ -34,6 +34,7 @@ FAST = [
     "--hybrid_full_steps", "1",
     "--hybrid_confidence_threshold", "0",
     "--hybrid_max_predict_steps", "2",
+    "--hybrid_predictor", "velocity",
 ]  # fmt: skip
 
 
