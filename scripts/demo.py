@@ -56,7 +56,8 @@ def speed_arm(arm: str, preset: dict, learning_rate: float, seed: int, out_dir: 
         data_seed=seed, disable_tqdm=True, use_cpu=True,
     )
     if arm == "hybrid":
-        trainer_cls, args = HybridHFTrainer, HybridTrainingArguments(**common)  # the library's defaults
+        # The library's defaults, but for the preset's (a shorter Warmup phase, so that a 150-step run has jumps).
+        trainer_cls, args = HybridHFTrainer, HybridTrainingArguments(**common, **preset["hybrid"])
     else:
         trainer_cls, args = Trainer, TrainingArguments(**common)
     evals: list[list[float]] = []
@@ -121,6 +122,7 @@ def run_speed(preset: dict, seed: int, out: Path, progress) -> dict:
     times = {arm: time_to(r["evals"], target) for arm, r in arms.items()}
     speedup = times["baseline"] / times["hybrid"] if times["hybrid"] else None
     report = {"seed": seed, "learning_rate": lr, "swept_learning_rate": preset["learning_rate"], "target": target,
+              "hybrid_warmup": preset["hybrid"].get("hybrid_warmup_steps", 100),
               "time_to_target": times, "speedup": speedup, "arms": arms}
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(report, indent=2))
@@ -137,6 +139,8 @@ def _damage(value: float) -> str:
 
 def summary(faults_report: dict, speed: dict, swept: dict | None, out: Path, seconds: float) -> str:
     """The one screen the demo ends on."""
+    from hf_hybrid.lr_advice import lr_too_small
+
     arms, damage = faults_report["arms"], faults_report["damage"]
     guard = arms["hybrid-faults"]["hybrid_stats"]
     stats = speed["arms"]["hybrid"]["hybrid_stats"]
@@ -155,13 +159,16 @@ def summary(faults_report: dict, speed: dict, swept: dict | None, out: Path, sec
         f"{guard['guard_rollbacks']} rolled back to a snapshot",
         "",
         f"SPEED   the LR a user runs without a sweep: {speed['learning_rate']:.2g}, 1/5 of the swept "
-        f"{speed['swept_learning_rate']:.2g}",
+        f"{speed['swept_learning_rate']:.2g}; the hybrid with its defaults, Warmup {speed['hybrid_warmup']} steps",
         f"  time to the Trainer's final eval loss ({speed['target']:.3f}): Trainer {times['baseline']:.1f} s, "
         f"HybridHFTrainer (outer momentum) " + ("-" if times["hybrid"] is None else f"{times['hybrid']:.1f} s")
         + f": {result}",
         f"  {stats['predictions_kept']} of {stats['predictions_judged']} jumps kept, worth about "
         f"{stats['jump_worth_steps']:.0f} real steps",
     ]
+    advice = lr_too_small(stats, speed["learning_rate"])
+    if advice is not None:
+        lines.append("  " + advice.removeprefix("hf_hybrid: "))
     if swept is not None:
         lines.append(f"  at the swept LR (recorded: {swept['path']}): {swept['result']}")
     lines += [

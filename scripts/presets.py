@@ -77,6 +77,7 @@ SCHEDULE_FREE_ARMS = ("sf", "sf-swept")
 PRESETS["demo"] = dict(
     model=dict(n_layer=2, n_embd=64, n_head=2, n_positions=64),
     block_size=64, batch_size=8, grad_accum=1, max_steps=150, eval_steps=25, eval_blocks=64,
-    learning_rate=3e-3, warmup_steps=10, weight_decay=0.1, optim="adamw_torch", bf16=False, hybrid=dict(),
-)
+    learning_rate=6e-3, warmup_steps=10, weight_decay=0.1, optim="adamw_torch", bf16=False,
+    hybrid=dict(hybrid_warmup_steps=50),
+)  # learning_rate: swept in docs/benchmarks.md, run 56
 DEMO_SWEPT_REPORT = "docs/demo-speed-swept-lr.json"  # the demo's speed A/B at the swept LR, quoted on its screen
