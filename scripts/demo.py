@@ -89,6 +89,8 @@ def speed_arm(arm: str, preset: dict, learning_rate: float, seed: int, out_dir: 
     trainer.remove_callback(PrinterCallback)
     trainer.add_callback(Clock())
     trainer.train()
+    if not evals or evals[-1][0] != trainer.state.global_step:  # kept jumps end the run between two evaluations
+        trainer.evaluate()
     stats = trainer.hybrid_stats() if arm == "hybrid" else None
     return {"arm": arm, "learning_rate": learning_rate, "evals": evals, "final_eval_loss": evals[-1][2],
             "hybrid_stats": stats}
