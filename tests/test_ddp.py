@@ -18,7 +18,11 @@ def launch_two_ranks(worker: str, out_dir: Path) -> list[dict]:
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(HERE / worker),
            str(out_dir)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    written = all((out_dir / f"rank{r}.json").exists() for r in (0, 1))
+    # Seen once in CI (1 run in 5): gloo aborted a rank at interpreter shutdown, after both ranks had written their
+    # results. A crash before that leaves a result missing and still fails here.
+    shutdown_abort = written and "terminate called without an active exception" in done.stderr
+    assert done.returncode == 0 or shutdown_abort, done.stderr[-3000:]
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 
