@@ -26,7 +26,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 import faults  # noqa: E402
+from model_and_data import build_model_and_data  # noqa: E402
 from presets import DEMO_RECORDED_REGIME, DEMO_SWEPT_REPORT, PRESETS, TUNED_HOST_ALLOCATOR  # noqa: E402
+from report import time_to  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -48,7 +50,7 @@ def speed_arm(arm: str, preset: dict, learning_rate: float, seed: int, out_dir: 
 
     from hf_hybrid import HybridHFTrainer, HybridTrainingArguments
 
-    model, data, eval_set = faults.build_model_and_data(preset, seed)
+    model, data, eval_set = build_model_and_data(preset, seed)
     common = dict(
         output_dir=str(out_dir), max_steps=preset["max_steps"], per_device_train_batch_size=preset["batch_size"],
         per_device_eval_batch_size=16, learning_rate=learning_rate, lr_scheduler_type="linear",
@@ -95,12 +97,6 @@ def speed_arm(arm: str, preset: dict, learning_rate: float, seed: int, out_dir: 
     stats = trainer.hybrid_stats() if arm == "hybrid" else None
     return {"arm": arm, "learning_rate": learning_rate, "evals": evals, "final_eval_loss": evals[-1][2],
             "hybrid_stats": stats}
-
-
-def time_to(evals: list, target: float) -> float | None:
-    from report import time_to as interpolated
-
-    return interpolated(evals, target)
 
 
 def run_faults(preset: dict, seed: int, out: Path) -> dict:
@@ -236,7 +232,7 @@ def main() -> None:
     preset = dict(PRESETS[args.preset], demo_lr_scale=args.lr_scale)
     out = Path(args.output_dir)
     progress("tokenizing the shipped corpus (once)")
-    faults.build_model_and_data(preset, args.seed)
+    build_model_and_data(preset, args.seed)
     faults_report = None
     if not args.skip_faults:
         progress("1/2 the guard: a clean Trainer, the Trainer with faults, the hybrid with the same faults")

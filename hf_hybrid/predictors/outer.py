@@ -57,11 +57,6 @@ class OuterMomentumPredictor(Predictor):
             self.anchor = [torch.empty_like(p) for p in shards]
         torch._foreach_copy_(self.anchor, shards)
 
-    def restart(self) -> None:
-        super().restart()
-        if self.anchor is not None:
-            self.set_anchor()
-
     def release(self) -> None:
         self.anchor, self.buf = None, []
 
@@ -97,8 +92,8 @@ class OuterMomentumPredictor(Predictor):
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
-        if state["anchor"] and self.buf:
-            self.set_anchor()
+        if state["anchor"]:
+            self.set_anchor()  # allocates the buffers where this run keeps them
             torch._foreach_copy_(self.anchor, [t.to(a.device) for t, a in zip(state["anchor"], self.anchor)])
         else:
             self.anchor = None
