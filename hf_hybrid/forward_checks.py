@@ -13,13 +13,14 @@ def forked_rng(device: torch.device):
     return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
 
 
-def probe_loss(trainer, model, probe: dict) -> torch.Tensor:
-    """Mean loss of the probe batch at the current weights, with the same dropout masks every time (a fixed seed in a
-    forked RNG), so before and after are truly paired."""
+def probe_loss(trainer, model, probe: dict, num_items_in_batch=None) -> torch.Tensor:
+    """Loss of the probe batch at the current weights, with the same dropout masks every time (a fixed seed in a
+    forked RNG), so before and after are truly paired. The batch's mean, or, given the Trainer's `num_items_in_batch`
+    for a step whose one micro-batch is the probe, the loss as `Trainer.training_step` computes it."""
     model.train()
     with forked_rng(trainer.args.device), torch.no_grad(), trainer.compute_loss_context_manager():
         torch.manual_seed(trainer.args.seed)
-        return trainer.compute_loss(model, probe).detach()
+        return trainer.compute_loss(model, probe, num_items_in_batch=num_items_in_batch).detach()
 
 
 def predict_step_loss(trainer, model, inputs: dict, num_items_in_batch) -> torch.Tensor:

@@ -43,9 +43,11 @@ class JumpLifecycle:
         self.probe, self.probe_loss = inputs, loss
         self.payoff.tick_forward()
 
-    def judge_probe(self, loss_after: float) -> bool:
-        """At the end of a Predict phase: keep the jump only if its probe gain beat plain training's."""
-        self.payoff.tick_forward()
+    def judge_probe(self, loss_after: float, forward_run: bool = True) -> bool:
+        """At the end of a Predict phase: keep the jump only if its probe gain beat plain training's.
+        `forward_run`: False when the step's loss check already was the probe's forward, paid for there."""
+        if forward_run:
+            self.payoff.tick_forward()
         paid = self.payoff.verdict(self.probe_loss - loss_after)
         self.probe = self.probe_loss = None
         if paid:

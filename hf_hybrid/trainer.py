@@ -2,7 +2,8 @@
 
 Thin glue: the Trainer subclass holds its overrides, and what they call lives in rooms named for their job:
 engine.py (the step's phases and the jump), step_veto.py (vetoed and undone steps), guard_loop.py (the guard at the
-loop), checkpoint.py (the hybrid state in checkpoints), trace.py (the step trace). Each override exists for one reason:
+loop), checkpoint.py (the hybrid state in checkpoints), trace.py (the step trace), predict_step.py (a step with no
+backward). Each override exists for one reason:
 - `get_batch_samples`: a rolled-back jump's batches were never trained on; they are handed out again
   before fresh ones, so the run keeps the Trainer's data order (replay.py);
 - `training_step`: a Predict step must run no backward (only a no-grad forward to check the loss),
@@ -28,12 +29,12 @@ from .checkpoint import find_hybrid_state, load_hybrid_state, save_hybrid_state
 from .config import hybrid_settings
 from .controller import Phase
 from .engine import HybridEngine
-from .forward_checks import predict_step_loss, probe_loss
 from .guard import StepGuard
 from .guard_loop import GuardAtLoop, GuardStoppedError
 from .launch import check_launch_mode
 from .lr_advice import jump_advice
 from .memory import EmergencyCheckpointCallback, VramMonitor
+from .predict_step import predict_training_step
 from .step_veto import StepVeto
 from .trace import StepTrace
 
@@ -127,34 +128,7 @@ class HybridMixin:
             loss = super().training_step(model, inputs, num_items_in_batch)
             self._hybrid_window_loss += loss.detach().float()
             return loss
-        if first_micro_batch:
-            if engine.starts_prediction and self.hybrid_settings.hybrid_payoff_check:
-                probe = self._prepare_inputs(inputs)
-                engine.set_probe(probe, self._hybrid_reduce(self._probe_loss(model, probe))[0])
-            engine.apply_prediction(self._hybrid_lr())
-        loss = self._predict_micro_batch(model, inputs, num_items_in_batch, engine.monitored)
-        self._hybrid_window_loss += loss.detach().float()
-        if self.accelerator.sync_gradients:  # the last micro-batch of this optimizer step
-            monitored_loss = self._hybrid_reduce(self._hybrid_window_loss)[0] if engine.monitored else None
-            engine.check_predict_step(monitored_loss)
-            # The run's last step judges an open jump early, so that a rejected one is made up like any other.
-            last_step = self.state.global_step + 1 >= self.state.max_steps
-            if (engine.ends_prediction or last_step) and engine.probe is not None:
-                engine.judge_probe(self._hybrid_reduce(self._probe_loss(model, engine.probe))[0])
-            self._hybrid_steps.veto(predict_step=True)
-        return loss
-
-    def _predict_micro_batch(self, model, inputs, num_items_in_batch, monitored: bool) -> torch.Tensor:
-        """No backward: a no-grad forward to check the loss, or nothing at all on an unmonitored step."""
-        if monitored:
-            self._hybrid_last_loss = predict_step_loss(self, model, inputs, num_items_in_batch)
-        # Unmonitored, the Trainer only sums this for its loss log: repeat the last checked loss rather than log a 0.
-        if self._hybrid_last_loss is None:
-            return torch.zeros((), device=self.args.device)
-        return self._hybrid_last_loss
-
-    def _probe_loss(self, model, probe: dict) -> torch.Tensor:
-        return probe_loss(self, model, probe)
+        return predict_training_step(self, model, inputs, num_items_in_batch, first_micro_batch)
 
     def _clip_grad_norm(self, model):
         if self._hybrid_step_has_no_backward():

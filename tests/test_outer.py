@@ -98,3 +98,30 @@ def test_the_guard_snapshot_restores_the_outer_state_with_the_weights():
         t.add_(1.0)
     snapshot.restore(params, optimizer, outer_state)
     assert all(torch.equal(a, b) for a, b in zip(outer_state, kept))
+
+
+class ForwardCounter(TrainerCallback):
+    """Model forward passes per optimizer step, with the step's phase."""
+
+    def __init__(self, model) -> None:
+        self.trainer, self.calls, self.rows = None, 0, []
+        model.register_forward_hook(lambda *_: setattr(self, "calls", self.calls + 1))
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.rows.append((self.trainer._hybrid.last_record.phase, self.calls))
+        self.calls = 0
+
+
+def test_a_one_step_jump_checks_its_loss_with_the_probe_forward(tmp_out):
+    model = tiny_gpt2()
+    counter = ForwardCounter(model)
+    trainer = make_trainer(tmp_out, model=model, **{**OUTER, "max_steps": 30, "hybrid_payoff_check": True,
+                                                    "hybrid_max_rejections": 0})
+    counter.trainer = trainer
+    trainer.add_callback(counter)
+    trainer.train()
+    jumps = [calls for phase, calls in counter.rows if phase is Phase.PREDICT]
+    assert len(jumps) >= 2
+    assert all(calls == 2 for calls in jumps)  # the probe before the jump and after it; no third forward
+    assert all(calls == 1 for phase, calls in counter.rows if phase is not Phase.PREDICT)
+    assert trainer.hybrid_stats()["predictions_judged"] == len(jumps)

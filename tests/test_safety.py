@@ -10,6 +10,7 @@ from transformers import TrainerCallback
 
 from hf_hybrid import Phase
 from hf_hybrid.engine import StepRecord
+from hf_hybrid.forward_checks import probe_loss
 from hf_hybrid.predictors import VelocityPredictor
 
 from .conftest import flat_params, make_trainer, reject_every_jump, tiny_gpt2, token_dataset
@@ -134,8 +135,8 @@ def test_probe_is_paired_under_dropout_and_leaves_training_rng_alone(tmp_out):
     torch.manual_seed(5)
     expected = torch.rand(3)
     torch.manual_seed(5)
-    first = trainer._probe_loss(trainer.model, batch)
-    second = trainer._probe_loss(trainer.model, batch)
+    first = probe_loss(trainer, trainer.model, batch)
+    second = probe_loss(trainer, trainer.model, batch)
     assert torch.equal(first, second)  # the same dropout masks: a paired comparison
     assert torch.equal(torch.rand(3), expected)
 

@@ -1,0 +1,55 @@
+"""A Predict step inside `Trainer.training_step`: no backward. The predicted delta is applied at the step's first
+micro-batch, a no-grad forward checks the loss, and at the phase's end the jump is judged on its probe batch.
+
+The probe is the phase's first batch, measured at the weights before the first delta and after the last one. On a
+one-step jump whose one micro-batch is the probe, the probe's forward after the jump is also the step's loss check:
+one forward serves both, so such a jump costs two forwards, not three.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .forward_checks import predict_step_loss, probe_loss
+
+
+def predict_training_step(trainer, model, inputs: dict, num_items_in_batch, first_micro_batch: bool) -> torch.Tensor:
+    """What `HybridMixin.training_step` runs on a Predict micro-batch; returns the loss the Trainer logs."""
+    engine = trainer._hybrid
+    one_step_jump = engine.starts_prediction and engine.ends_prediction
+    probe_is_the_step = one_step_jump and trainer.current_gradient_accumulation_steps == 1
+    # Counted as the Trainer counts the step's tokens, the probe's loss is on the scale of the real steps' losses.
+    probe_items = num_items_in_batch if probe_is_the_step else None
+    if first_micro_batch:
+        if engine.starts_prediction and trainer.hybrid_settings.hybrid_payoff_check:
+            probe = trainer._prepare_inputs(inputs)
+            engine.set_probe(probe, trainer._hybrid_reduce(probe_loss(trainer, model, probe, probe_items))[0])
+        engine.apply_prediction(trainer._hybrid_lr())
+    probe_is_the_step = probe_is_the_step and engine.probe is not None
+    if probe_is_the_step:
+        loss = trainer._hybrid_last_loss = probe_loss(trainer, model, engine.probe, probe_items)
+    else:
+        loss = _micro_batch_loss(trainer, model, inputs, num_items_in_batch, engine.monitored)
+    trainer._hybrid_window_loss += loss.detach().float()
+    if trainer.accelerator.sync_gradients:  # the last micro-batch of this optimizer step
+        monitored_loss = trainer._hybrid_reduce(trainer._hybrid_window_loss)[0] if engine.monitored else None
+        engine.check_predict_step(monitored_loss)
+        # The run's last step judges an open jump early, so that a rejected one is made up like any other.
+        last_step = trainer.state.global_step + 1 >= trainer.state.max_steps
+        if (engine.ends_prediction or last_step) and engine.probe is not None:
+            if probe_is_the_step:
+                engine.judge_probe(monitored_loss, forward_run=False)
+            else:
+                engine.judge_probe(trainer._hybrid_reduce(probe_loss(trainer, model, engine.probe))[0])
+        trainer._hybrid_steps.veto(predict_step=True)
+    return loss
+
+
+def _micro_batch_loss(trainer, model, inputs: dict, num_items_in_batch, monitored: bool) -> torch.Tensor:
+    """A no-grad forward to check the loss, or nothing at all on an unmonitored step."""
+    if monitored:
+        trainer._hybrid_last_loss = predict_step_loss(trainer, model, inputs, num_items_in_batch)
+    # Unmonitored, the Trainer only sums this for its loss log: repeat the last checked loss rather than log a 0.
+    if trainer._hybrid_last_loss is None:
+        return torch.zeros((), device=trainer.args.device)
+    return trainer._hybrid_last_loss
