@@ -44,7 +44,7 @@ def split(args) -> None:
                     if before is not None:
                         arm["velocity"].mul_(0.9).add_(wte - before, alpha=0.1)
                         arm["seen"] += 1
-                    elif predicted and args.predictor == "velocity":
+                    elif predicted and args.predictor == "velocity" and arm["seen"]:  # none seen: none to repeat
                         wte.add_(arm["velocity"] / (1 - 0.9 ** arm["seen"]))
             arm["seconds"] += time.perf_counter() - t0
             arm["evals"].append([start + args.eval_every, arm["seconds"], held_out_loss(model, held_out)])
