@@ -67,6 +67,8 @@ def main() -> None:
                         help="the sf-swept arm's learning rate, from schedule-free AdamW's own sweep (default: the "
                              "preset's)")
     parser.add_argument("--learning_rates", default="", help="sweep mode: comma-separated learning rates")
+    parser.add_argument("--sweep_arm", choices=["baseline", "sf"], default="baseline",
+                        help="sweep mode: the arm swept: the Trainer, or schedule-free AdamW (for --sf_learning_rate)")
     parser.add_argument("--faults", default="window,spike,nan",
                         help="faults mode: which faults to inject, from window, spike, nan")
     parser.add_argument("--repeats", type=int, default=2, help="baseline/hybrid pairs, run alternately")
@@ -155,19 +157,21 @@ def main() -> None:
 
 
 def sweep(args, root: Path) -> None:
-    """The Trainer alone at each learning rate: the baseline's tuning, recorded before any A/B."""
+    """One arm alone at each learning rate: the baseline's tuning, recorded before any A/B, or schedule-free AdamW's."""
     rows = []
     for lr in (float(x) for x in args.learning_rates.split(",")):
-        arm = launch("baseline", args, root / f"lr-{lr:g}", target=None, overrides={}, learning_rate=lr)
+        arm = launch(args.sweep_arm, args, root / f"{args.sweep_arm}-lr-{lr:g}", target=None, overrides={},
+                     learning_rate=lr)
         rows.append({"learning_rate": lr, "final_eval_loss": arm.evals[-1][2], "best_eval_loss": min(
             e[2] for e in arm.evals), "train_seconds": arm.train_seconds, "evals": arm.evals})
     best = min(rows, key=lambda row: row["final_eval_loss"])
-    (root / "sweep.json").write_text(json.dumps({"preset": args.preset, "seed": args.seed, "runs": rows,
-                                                 "best_learning_rate": best["learning_rate"]}, indent=2))
-    print(f"\n{args.preset} learning-rate sweep, seed {args.seed} (final eval loss):")
+    out = root / f"sweep-{args.sweep_arm}.json"
+    out.write_text(json.dumps({"preset": args.preset, "seed": args.seed, "arm": args.sweep_arm, "runs": rows,
+                               "best_learning_rate": best["learning_rate"]}, indent=2))
+    print(f"\n{args.preset} learning-rate sweep of the {args.sweep_arm} arm, seed {args.seed} (final eval loss):")
     for row in rows:
         print(f"  lr {row['learning_rate']:<8g} {row['final_eval_loss']:.4f}{'  <- best' if row is best else ''}")
-    print(f"wrote {root / 'sweep.json'}")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -39,10 +39,14 @@ def test_benchmark_smoke_writes_report_and_plot(tmp_path):
 
 def test_sweep_runs_the_trainer_at_each_learning_rate(tmp_path):
     run("--mode", "sweep", "--learning_rates", "1e-4,3e-3", "--output_dir", str(tmp_path))
-    sweep = json.loads((tmp_path / "smoke-sweep" / "sweep.json").read_text())
+    sweep = json.loads((tmp_path / "smoke-sweep" / "sweep-baseline.json").read_text())
     finals = {row["learning_rate"]: row["final_eval_loss"] for row in sweep["runs"]}
     assert set(finals) == {1e-4, 3e-3} and finals[1e-4] != finals[3e-3]
     assert sweep["best_learning_rate"] == min(finals, key=finals.get)
+    # Schedule-free AdamW's own sweep, for the sf-swept arm: another optimizer, so another loss at the same LR.
+    run("--mode", "sweep", "--sweep_arm", "sf", "--learning_rates", "3e-3", "--output_dir", str(tmp_path))
+    sf = json.loads((tmp_path / "smoke-sweep" / "sweep-sf.json").read_text())
+    assert sf["arm"] == "sf" and sf["runs"][0]["final_eval_loss"] != finals[3e-3]
 
 
 def test_the_unswept_regime_runs_every_arm_at_a_fifth_and_reports_both_targets(tmp_path):
