@@ -82,5 +82,5 @@ PRESETS["demo"] = dict(
 )  # learning_rate: swept in docs/benchmarks.md, run 56
 DEMO_SWEPT_REPORT = "docs/demo-speed-swept-lr.json"  # the demo's speed A/B at the swept LR, quoted on its screen
 # Where jumps did pay at a fifth of the swept LR: too long to run in the demo (its checkpoint takes 6 minutes to make).
-DEMO_RECORDED_REGIME = ("docs/benchmarks.md, runs 57 and 59", "full fine-tuning (cpu-finetune) at 6e-4, a fifth of "
-                        "the swept 3e-3: 1.15x median over 3 seeds (1.04-1.33x); at 5e-5, 2.14x (1 seed, run 61)")
+DEMO_RECORDED_REGIME = ("docs/benchmarks.md, runs 61 and 66", "full fine-tuning (cpu-finetune) at 6e-4, a fifth of "
+                        "the swept 3e-3: 1.32x median over 3 seeds (0.93-1.75x); at 5e-5, 2.14x (1 seed, run 61)")
