@@ -16,8 +16,9 @@ from .forward_checks import predict_step_loss, probe_loss
 def predict_training_step(trainer, model, inputs: dict, num_items_in_batch, first_micro_batch: bool) -> torch.Tensor:
     """What `HybridMixin.training_step` runs on a Predict micro-batch; returns the loss the Trainer logs."""
     engine = trainer._hybrid
-    one_step_jump = engine.starts_prediction and engine.ends_prediction
-    probe_is_the_step = one_step_jump and trainer.current_gradient_accumulation_steps == 1
+    probe_is_the_step = engine.starts_prediction and engine.ends_prediction and (
+        trainer.current_gradient_accumulation_steps == 1
+    )
     # Counted as the Trainer counts the step's tokens, the probe's loss is on the scale of the real steps' losses.
     probe_items = num_items_in_batch if probe_is_the_step else None
     if first_micro_batch:
@@ -25,8 +26,7 @@ def predict_training_step(trainer, model, inputs: dict, num_items_in_batch, firs
             probe = trainer._prepare_inputs(inputs)
             engine.set_probe(probe, trainer._hybrid_reduce(probe_loss(trainer, model, probe, probe_items))[0])
         engine.apply_prediction(trainer._hybrid_lr())
-    probe_is_the_step = probe_is_the_step and engine.probe is not None
-    if probe_is_the_step:
+    if probe_is_the_step and engine.probe is not None:
         loss = trainer._hybrid_last_loss = probe_loss(trainer, model, engine.probe, probe_items)
     else:
         loss = _micro_batch_loss(trainer, model, inputs, num_items_in_batch, engine.monitored)
@@ -37,7 +37,7 @@ def predict_training_step(trainer, model, inputs: dict, num_items_in_batch, firs
         # The run's last step judges an open jump early, so that a rejected one is made up like any other.
         last_step = trainer.state.global_step + 1 >= trainer.state.max_steps
         if (engine.ends_prediction or last_step) and engine.probe is not None:
-            if probe_is_the_step:
+            if probe_is_the_step:  # the probe's forward after the jump was this step's loss check
                 engine.judge_probe(monitored_loss, forward_run=False)
             else:
                 engine.judge_probe(trainer._hybrid_reduce(probe_loss(trainer, model, engine.probe))[0])
