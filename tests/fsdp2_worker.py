@@ -133,7 +133,9 @@ def main(out_dir: str, predictor: str) -> None:
     params = list(model.parameters())
     gather = CollectiveCounter()
     with gather:  # the counter's own check: a full tensor must be gathered
-        params[0].full_tensor()
+        full = params[0].full_tensor()
+    # Wait for that gather: a collective left in flight at exit can abort the process in gloo's teardown.
+    assert full.shape == params[0].shape and bool(torch.isfinite(full).all())
     result = {
         "counter_sees_a_gather": gather.count > 0,
         "world_size": dist.get_world_size(),
@@ -147,6 +149,8 @@ def main(out_dir: str, predictor: str) -> None:
         "rank": dist.get_rank(),
     }
     Path(out_dir, f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
+    # Neither rank leaves while the other still talks to it.
+    dist.barrier()
     dist.destroy_process_group()
 
 
