@@ -4,14 +4,14 @@ residual fit's one small all-reduce per Correct step."""
 
 from __future__ import annotations
 
-import json
 import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from .two_ranks import run_two_ranks
 
 WORKER = Path(__file__).with_name("fsdp2_worker.py")
 
@@ -24,9 +24,7 @@ def test_engine_on_fsdp2_shards_needs_no_communication(tmp_path, predictor):
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
            str(WORKER), str(tmp_path), predictor]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    ranks = run_two_ranks(cmd, tmp_path, env)
     for rank in ranks:
         assert rank["world_size"] == 2 and rank["dtensor_params"]
         assert rank["local_fraction"] <= 0.6, "each rank should hold about half of the weights"
