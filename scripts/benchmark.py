@@ -64,8 +64,8 @@ def main() -> None:
                         help="run every arm but swept and sf-swept at this fraction of the preset's swept learning "
                              "rate: 0.2 is the LR a user runs without a sweep")
     parser.add_argument("--sf_learning_rate", type=float, default=0.0,
-                        help="the sf-swept arm's learning rate, from schedule-free AdamW's own sweep (default: the "
-                             "preset's)")
+                        help="the sf-swept arm's learning rate (default: the preset's sf_learning_rate, from "
+                             "schedule-free AdamW's own sweep, else its swept learning rate)")
     parser.add_argument("--learning_rates", default="", help="sweep mode: comma-separated learning rates")
     parser.add_argument("--sweep_arm", choices=["baseline", "sf"], default="baseline",
                         help="sweep mode: the arm swept: the Trainer, or schedule-free AdamW (for --sf_learning_rate)")
@@ -101,7 +101,8 @@ def main() -> None:
         return sweep(args, root)
     swept_lr = PRESETS[args.preset]["learning_rate"]
     lr = args.learning_rate or swept_lr * args.lr_scale
-    peer_lrs = {"ema": lr, "sf": lr, "sf-swept": args.sf_learning_rate or swept_lr, "swept": swept_lr}
+    sf_swept_lr = args.sf_learning_rate or PRESETS[args.preset].get("sf_learning_rate", swept_lr)
+    peer_lrs = {"ema": lr, "sf": lr, "sf-swept": sf_swept_lr, "swept": swept_lr}
     peers = {name: [] for name in PEER_ARMS if name in args.arms.split(",")}
     baselines, hybrids = [], []
     for r in range(args.repeats):
