@@ -73,7 +73,7 @@ class HybridTrainingArguments(TrainingArguments):
             Gate each Predict phase on a probe batch (its first batch, never trained on): keep the jump only if
             the probe loss fell by at least what plain training would have gained for the phase's cost, else roll
             back. Each rejection doubles the next Full phase; each kept jump halves it back. When off, a jump
-            that comes through its Correct steps without a rollback counts as kept.
+            that comes through its last step (its Correct steps, if it has any) without a rollback counts as kept.
         hybrid_predict_step_cost (`float`, defaults to `0.35`):
             Cost of a forward pass (a checked predicted step, a probe) relative to a real step, for the payoff
             check (a forward is about a third of forward+backward+step). The benchmark measures it; a fixed
@@ -88,8 +88,8 @@ class HybridTrainingArguments(TrainingArguments):
             Predict phase's start and a copy back at each rollback. No effect on CPU.
         hybrid_offload_optimizer_state (`bool`, defaults to `False`):
             Predict-aware memory: while predicting, park the optimizer state in pinned host memory (gradients are
-            already freed); it comes back asynchronously before the next real step. Needs the `velocity`
-            predictor (the `adam` predictor reads that state while predicting).
+            already freed); it comes back asynchronously before the next real step. Not with the `adam`
+            predictor, which reads that state while predicting.
         hybrid_guard (`bool`, defaults to `True`):
             Guard every real optimizer step. A step whose loss or gradient norm is not finite, or is an outlier
             against the recent steps, is skipped: its update is vetoed (weights, optimizer state, learning-rate

@@ -162,10 +162,12 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
                 self.confidence = self.dynamics.confidence()
             ready = self.predictor.ready and self.dynamics.ready
             self.controller.end_step(self.confidence, ready)
-            survived = record.phase is Phase.CORRECT and self.controller.phase is not Phase.CORRECT
-            if survived and not self.settings.hybrid_payoff_check:
-                # Without the probe verdict, a jump that came through its Correct steps is the only sign that
-                # prediction pays; without this, back-off could only grow.
+            phase = self.controller.phase
+            over = record.phase is Phase.CORRECT or (record.phase is Phase.PREDICT and phase is not Phase.PREDICT)
+            if over and phase is not Phase.CORRECT and not self.settings.hybrid_payoff_check:
+                # Without the probe verdict, a jump that came through its last step (its last Correct step, or its
+                # Predict step when it has no Correct phase, as the outer one) is the only sign that prediction pays;
+                # without this, back-off could only grow.
                 self.controller.reward()
         else:
             self.controller.phase_steps[record.phase.value] += 1

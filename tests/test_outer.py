@@ -9,6 +9,7 @@ import torch
 from transformers import TrainerCallback
 
 from hf_hybrid import HybridHFTrainer, Phase
+from hf_hybrid.jump import JumpLifecycle
 from hf_hybrid.payoff import PayoffMeter
 from hf_hybrid.snapshot import TrainingSnapshot
 
@@ -101,15 +102,16 @@ def test_the_guard_snapshot_restores_the_outer_state_with_the_weights():
 
 
 class ForwardCounter(TrainerCallback):
-    """Model forward passes per optimizer step, with the step's phase."""
+    """Model forward passes per optimizer step, with the step's phase and what the payoff clock charged for it."""
 
     def __init__(self, model) -> None:
-        self.trainer, self.calls, self.rows = None, 0, []
+        self.trainer, self.calls, self.clock, self.rows = None, 0, 0.0, []
         model.register_forward_hook(lambda *_: setattr(self, "calls", self.calls + 1))
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.rows.append((self.trainer._hybrid.last_record.phase, self.calls))
-        self.calls = 0
+        engine = self.trainer._hybrid
+        self.rows.append((engine.last_record.phase, self.calls, engine.payoff.clock - self.clock))
+        self.calls, self.clock = 0, engine.payoff.clock
 
 
 def test_a_one_step_jump_checks_its_loss_with_the_probe_forward(tmp_out):
@@ -120,8 +122,28 @@ def test_a_one_step_jump_checks_its_loss_with_the_probe_forward(tmp_out):
     counter.trainer = trainer
     trainer.add_callback(counter)
     trainer.train()
-    jumps = [calls for phase, calls in counter.rows if phase is Phase.PREDICT]
+    jumps = [(calls, charged) for phase, calls, charged in counter.rows if phase is Phase.PREDICT]
     assert len(jumps) >= 2
-    assert all(calls == 2 for calls in jumps)  # the probe before the jump and after it; no third forward
-    assert all(calls == 1 for phase, calls in counter.rows if phase is not Phase.PREDICT)
+    # The probe before the jump and after it, no third forward; and the verdict is charged for those two only.
+    forward = trainer._hybrid.payoff.forward_cost
+    assert all(calls == 2 and abs(charged - 2 * forward) < 1e-9 for calls, charged in jumps)
+    assert all(calls == 1 and charged == 1.0 for phase, calls, charged in counter.rows if phase is not Phase.PREDICT)
     assert trainer.hybrid_stats()["predictions_judged"] == len(jumps)
+
+
+def test_without_the_verdict_a_kept_jump_ends_a_run_of_rejections(tmp_out, monkeypatch):
+    """With no probe verdict, a jump that the loss check lets through is the sign that prediction pays: it resets the
+    rejections in a row, so rejections spread over a run do not retire the predictor."""
+    rejects = iter([True, False, True, False, True] + [False] * 20)
+    check = JumpLifecycle.check_predict_step
+
+    def scripted_check(self, loss):
+        check(self, loss)
+        if not self.record.rollback and next(rejects):
+            self.rollback()
+
+    monkeypatch.setattr(JumpLifecycle, "check_predict_step", scripted_check)
+    trainer, rows = run(tmp_out, hybrid_payoff_check=False, hybrid_max_rejections=2, max_steps=100)
+    outcomes = [r["rollback"] for r in rows if r["phase"] is Phase.PREDICT]
+    assert outcomes[:5] == [True, False, True, False, True]
+    assert not trainer._hybrid.controller.retired
