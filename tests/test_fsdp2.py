@@ -29,7 +29,7 @@ def test_engine_on_fsdp2_shards_needs_no_communication(tmp_path, predictor):
         assert rank["world_size"] == 2 and rank["dtensor_params"]
         assert rank["local_fraction"] <= 0.6, "each rank should hold about half of the weights"
         assert rank["predict_steps"] >= 5 and rank["rolled_back"]
-        assert rank["counter_sees_a_gather"]
+        assert rank["counter_sees_a_gather"] and rank["gathered_finite"]
         collectives = rank["engine_collectives"]
         assert collectives["predict"] == collectives["other"] == 0, "a DTensor op gathered or reduced"
         assert rank["correct_steps"] > 0 and collectives["residual"] == rank["correct_steps"]

@@ -24,7 +24,9 @@ def test_a_too_small_learning_rate_is_named_with_a_factor(tmp_out, caplog):
     stats, log = advice_after_training(tmp_out, 1e-4, caplog)  # 30x below this task's tuned 3e-3
     assert stats["predictions_kept"] >= 0.7 * stats["predictions_judged"] >= 3.5
     assert stats["jump_gain"] > 0 and stats["jump_worth_steps"] > 0.1 * stats["backward_steps"]
-    assert "the learning rate looks too small" in log and "--learning_rate" in log
+    factor = (stats["backward_steps"] + stats["jump_worth_steps"]) / stats["backward_steps"]
+    assert f"the learning rate looks too small: {stats['predictions_kept']} of {stats['predictions_judged']}" in log
+    assert f"at least about {factor:.1f}x too small. Sweep upward from --learning_rate {1e-4 * factor:.2g};" in log
     assert f"{stats['predictions_kept']} of {stats['predictions_judged']} jumps kept" in log
 
 
