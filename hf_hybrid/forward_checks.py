@@ -6,14 +6,18 @@ trace in the training that follows.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
+
 import torch
+from transformers import Trainer
 
 
-def forked_rng(device: torch.device):
+def forked_rng(device: torch.device) -> AbstractContextManager:
     return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
 
 
-def probe_loss(trainer, model, probe: dict, num_items_in_batch=None) -> torch.Tensor:
+def probe_loss(trainer: Trainer, model: torch.nn.Module, probe: dict,
+               num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
     """Loss of the probe batch at the current weights, with the same dropout masks every time (a fixed seed in a
     forked RNG), so before and after are truly paired. The batch's mean, or, given the Trainer's `num_items_in_batch`
     for a step whose one micro-batch is the probe, the loss as `Trainer.training_step` computes it."""
@@ -23,7 +27,8 @@ def probe_loss(trainer, model, probe: dict, num_items_in_batch=None) -> torch.Te
         return trainer.compute_loss(model, probe, num_items_in_batch=num_items_in_batch).detach()
 
 
-def predict_step_loss(trainer, model, inputs: dict, num_items_in_batch) -> torch.Tensor:
+def predict_step_loss(trainer: Trainer, model: torch.nn.Module, inputs: dict,
+                      num_items_in_batch: torch.Tensor | int | None) -> torch.Tensor:
     """A Predict micro-batch's loss from a no-grad forward, scaled as `Trainer.training_step` scales a real one."""
     model.train()
     inputs = trainer._prepare_inputs(inputs)

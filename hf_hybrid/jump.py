@@ -43,7 +43,7 @@ class JumpLifecycle:
         self.probe, self.probe_loss = inputs, loss
         self.payoff.tick_forward()
 
-    def judge_probe(self, loss_after: float, forward_run: bool = True) -> bool:
+    def judge_probe(self, loss_after: float, forward_run: bool = True) -> None:
         """At the end of a Predict phase: keep the jump only if its probe gain beat plain training's.
         `forward_run`: False when the step's loss check already was the probe's forward, paid for there."""
         if forward_run:
@@ -54,7 +54,6 @@ class JumpLifecycle:
             self.controller.reward()
         else:
             self.rollback()
-        return paid
 
     @property
     def monitored(self) -> bool:

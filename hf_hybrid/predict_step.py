@@ -9,11 +9,13 @@ one forward serves both, so such a jump costs two forwards, not three.
 from __future__ import annotations
 
 import torch
+from transformers import Trainer
 
 from .forward_checks import predict_step_loss, probe_loss
 
 
-def predict_training_step(trainer, model, inputs: dict, num_items_in_batch, first_micro_batch: bool) -> torch.Tensor:
+def predict_training_step(trainer: Trainer, model: torch.nn.Module, inputs: dict,
+                          num_items_in_batch: torch.Tensor | int | None, first_micro_batch: bool) -> torch.Tensor:
     """What `HybridMixin.training_step` runs on a Predict micro-batch; returns the loss the Trainer logs."""
     engine = trainer._hybrid
     probe_is_the_step = engine.starts_prediction and engine.ends_prediction and (
@@ -45,7 +47,8 @@ def predict_training_step(trainer, model, inputs: dict, num_items_in_batch, firs
     return loss
 
 
-def _micro_batch_loss(trainer, model, inputs: dict, num_items_in_batch, monitored: bool) -> torch.Tensor:
+def _micro_batch_loss(trainer: Trainer, model: torch.nn.Module, inputs: dict,
+                      num_items_in_batch: torch.Tensor | int | None, monitored: bool) -> torch.Tensor:
     """A no-grad forward to check the loss, or nothing at all on an unmonitored step."""
     if monitored:
         trainer._hybrid_last_loss = predict_step_loss(trainer, model, inputs, num_items_in_batch)

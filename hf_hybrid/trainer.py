@@ -92,11 +92,6 @@ class HybridMixin:
         if self.hybrid_settings.hybrid_vram_min_free_mb > 0 and torch.cuda.is_available():
             self.add_callback(EmergencyCheckpointCallback(self._vram, self.hybrid_settings.hybrid_vram_min_free_mb))
 
-    @property
-    def _guard_snapshot(self):
-        """The guard's last known-good state (None without the guard): the tests' window into the guard."""
-        return self._guard_loop.snapshot if self._guard_loop is not None else None
-
     # ---- public -----------------------------------------------------------------------------------
 
     def hybrid_stats(self) -> dict:

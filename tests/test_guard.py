@@ -36,7 +36,7 @@ class StateRecorder(TrainerCallback):
     def on_step_end(self, args, state, control, model=None, **kwargs):
         optimizer = self.trainer.optimizer
         moments = torch.cat([s["exp_avg"].reshape(-1).clone() for s in optimizer.state.values()])
-        snapshot = self.trainer._guard_snapshot
+        snapshot = self.trainer._guard_loop.snapshot
         self.rows.append({"step": state.global_step, "params": flat_params(model), "moments": moments,
                           "lr": self.trainer.lr_scheduler.get_last_lr()[0], "snapshot": snapshot.step})
 
@@ -137,7 +137,7 @@ def test_clean_run_never_triggers_the_guard_and_equals_the_plain_trainer(tmp_pat
     trainer.train()
     stats = trainer.hybrid_stats()
     assert stats["guard_outliers"] == stats["skipped_steps"] == stats["guard_rollbacks"] == 0
-    assert trainer._guard_snapshot.valid  # it did take snapshots, and they changed nothing
+    assert trainer._guard_loop.snapshot.valid  # it did take snapshots, and they changed nothing
     assert torch.equal(flat_params(plain), flat_params(guarded))
 
 
@@ -192,7 +192,7 @@ def test_too_many_rollbacks_save_a_checkpoint_and_stop(tmp_out):
     with pytest.raises(GuardStoppedError, match=r"stopped training at step 29: weights \(.* after 0 rollbacks .*"
                                                 r"checkpoint-29\. Try a lower learning rate"):
         trainer.train()
-    snapshot = trainer._guard_snapshot
+    snapshot = trainer._guard_loop.snapshot
     saved = load_hybrid_state(str(tmp_out / "checkpoint-29" / "hybrid_state_rank0.pt"))
     assert saved["guard"]["snapshot"]["step"] == snapshot.step
     # The checkpoint holds the snapshot's weights, not the damaged ones.
