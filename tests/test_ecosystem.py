@@ -127,9 +127,11 @@ def test_sft_trainer_with_mixin_predicts_and_skips_the_optimizer(tmp_path):
     assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
     # Per optimizer step (trace): a checked predicted loss is on the scale of the real loss just before it.
     rows = [json.loads(line) for line in (tmp_path / "out" / "hybrid_trace.jsonl").read_text().splitlines()]
-    for prev, row in zip(rows, rows[1:]):
-        if row["phase"] == Phase.PREDICT.value and row["loss"] is not None and prev["phase"] != Phase.PREDICT.value:
-            assert abs(row["loss"] - prev["loss"]) < 0.5, (prev, row)
+    checked = [(prev, row) for prev, row in zip(rows, rows[1:]) if row["phase"] == Phase.PREDICT.value
+               and row["loss"] is not None and prev["phase"] != Phase.PREDICT.value]
+    assert checked
+    for prev, row in checked:
+        assert abs(row["loss"] - prev["loss"]) < 0.5, (prev, row)
 
 
 # ---- PEFT ---------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from hf_hybrid import HybridHFTrainer
@@ -197,6 +198,10 @@ def test_too_many_rollbacks_save_a_checkpoint_and_stop(tmp_out):
     assert saved["guard"]["snapshot"]["step"] == snapshot.step
     # The checkpoint holds the snapshot's weights, not the damaged ones.
     assert torch.equal(flat_params(trainer.model), torch.cat([t.reshape(-1) for t in snapshot.weights.tensors]))
+    saved_weights = load_file(tmp_out / "checkpoint-29" / "model.safetensors")
+    params = dict(trainer.model.named_parameters())
+    assert len(saved_weights.keys() & params.keys()) >= len(params) - 1  # a tied head may be saved once
+    assert all(torch.equal(saved_weights[name], params[name]) for name in saved_weights.keys() & params.keys())
 
 
 def test_nan_reaches_no_weight_and_a_finite_outlier_keeps_the_schedule(tmp_out):
@@ -204,7 +209,9 @@ def test_nan_reaches_no_weight_and_a_finite_outlier_keeps_the_schedule(tmp_out):
     trainer = guarded_trainer(tmp_out, plan)
     rows = train_recorded(trainer).rows
     assert [(r["step"], r["guard"]) for r in trace(tmp_out) if r["guard"]] == [(4, "skip"), (31, "skip")]
-    assert torch.equal(rows[3]["params"], rows[2]["params"])
+    for skipped in (3, 30):  # 0-based rows of steps 4 and 31: no weight moved, the schedule did not advance
+        assert torch.equal(rows[skipped]["params"], rows[skipped - 1]["params"])
+        assert rows[skipped]["lr"] == rows[skipped - 1]["lr"] != rows[skipped + 1]["lr"]
     assert trainer.hybrid_stats()["non_finite"] == 1
     assert all(torch.isfinite(r["params"]).all() for r in rows)
 

@@ -92,3 +92,4 @@ def test_payoff_requires_what_plain_training_would_have_gained():
     restored = PayoffMeter()
     restored.load_state_dict(good.state_dict())
     assert restored.state_dict() == good.state_dict()
+    assert (restored.clock, restored.paid, len(restored.history)) == (good.clock, 1, 64) and restored.clock > 64

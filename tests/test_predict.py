@@ -80,9 +80,10 @@ def test_predict_moves_weights_without_backward_or_optimizer(tmp_out):
 
 
 def test_optimizer_state_counts_only_real_steps(tmp_out):
-    trainer, _ = train_recorded(tmp_out, hybrid_predictor="adam")
+    trainer, rows = train_recorded(tmp_out, hybrid_predictor="adam")
     stats = trainer.hybrid_stats()
-    assert stats["predict_steps"] > 0
+    assert len(kept_predicted_steps(rows)) >= 5
+    assert rows[-1]["optimizer_calls"] == stats["backward_steps"]
     opt = trainer.optimizer.optimizer
     for state in opt.state.values():
         assert float(state["step"]) == stats["backward_steps"]
@@ -92,11 +93,8 @@ def test_gradient_accumulation_predicts_per_optimizer_step(tmp_out):
     trainer, rows = train_recorded(tmp_out, gradient_accumulation_steps=3, per_device_train_batch_size=4,
                                    max_steps=30)
     stats = trainer.hybrid_stats()
-    assert stats["predict_steps"] > 0
     assert len(rows) == trainer.state.global_step == 30
-    for i, row in enumerate(rows[1:], start=1):
-        if row["phase"] is Phase.PREDICT:
-            assert row["optimizer_calls"] == rows[i - 1]["optimizer_calls"]
+    assert len(kept_predicted_steps(rows)) >= 5  # weights moved; no backward on any micro-batch, no step()
     assert float(next(iter(trainer.optimizer.optimizer.state.values()))["step"]) == stats["backward_steps"]
 
 

@@ -33,18 +33,26 @@ def sabotage_fifth_predicted_step(monkeypatch) -> None:
     monkeypatch.setattr(VelocityPredictor, "apply_", sabotaged)
 
 
-def test_harmful_prediction_is_rolled_back_bit_exactly(tmp_out, monkeypatch):
-    sabotage_fifth_predicted_step(monkeypatch)
-    trainer, rows = train_recorded(tmp_out, hybrid_loss_band=3.0)
-    rolled = [i for i, r in enumerate(rows) if r["rollback"]]
-    assert rolled, "the sabotaged prediction must be rolled back"
-    i = rolled[0]
-    assert rows[i]["phase"] is Phase.PREDICT
+def assert_restored(rows: list[dict], i: int) -> None:
+    """Rolled-back step `i` is a Predict step whose weights are back, to the bit, at those the last real step before
+    its phase produced."""
+    assert rows[i]["rollback"] and rows[i]["phase"] is Phase.PREDICT
     start = i
     while rows[start - 1]["phase"] is Phase.PREDICT:
         start -= 1
-    # Back to the weights the last real step produced, to the bit.
     assert torch.equal(rows[i]["params"], rows[start - 1]["params"])
+
+
+def rolled_back(rows: list[dict]) -> list[int]:
+    return [i for i, r in enumerate(rows) if r["rollback"]]
+
+
+def test_harmful_prediction_is_rolled_back_bit_exactly(tmp_out, monkeypatch):
+    sabotage_fifth_predicted_step(monkeypatch)
+    trainer, rows = train_recorded(tmp_out, hybrid_loss_band=3.0)
+    assert rolled_back(rows), "the sabotaged prediction must be rolled back"
+    i = rolled_back(rows)[0]
+    assert_restored(rows, i)
     assert rows[i + 1]["phase"] is Phase.FULL
     stats = trainer.hybrid_stats()
     assert stats["rollbacks"] >= 1 and stats["divergences"] >= 1
@@ -92,10 +100,10 @@ def test_nan_on_real_steps_is_skipped_and_counted(tmp_out):
 
 def test_nan_while_predicting_rolls_back(tmp_out):
     model = nan_model(at_no_grad=(2,))
-    trainer = make_trainer(tmp_out, model=model)
-    trainer.train()
+    trainer, rows = train_recorded(tmp_out, model=model)
     stats = trainer.hybrid_stats()
     assert stats["rollbacks"] >= 1 and stats["non_finite"] == 1
+    assert_restored(rows, rolled_back(rows)[0])
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
@@ -114,12 +122,9 @@ def test_probe_gate_rolls_back_a_jump_that_does_not_pay(tmp_out, monkeypatch):
     stats = trainer.hybrid_stats()
     assert stats["predictions_judged"] >= 2 and stats["predictions_kept"] == 0
     assert stats["rollbacks"] == stats["predictions_judged"]
-    for i, row in enumerate(rows):
-        if row["rollback"]:
-            start = i
-            while rows[start - 1]["phase"] is Phase.PREDICT:
-                start -= 1
-            assert torch.equal(row["params"], rows[start - 1]["params"])
+    assert len(rolled_back(rows)) == stats["rollbacks"]
+    for i in rolled_back(rows):
+        assert_restored(rows, i)
     # Each rejected jump backs off: the Full phases between attempts grow.
     assert trainer._hybrid.controller.backoff >= 2
 
