@@ -30,6 +30,7 @@ class PredictWatch(TrainerCallback):
         self.moved = 0
         self.kept = 0
         self.collectives = 0
+        self.applied = 0
 
     def on_train_begin(self, args, state, control, **kwargs):
         engine = self.trainer._hybrid
@@ -40,6 +41,7 @@ class PredictWatch(TrainerCallback):
             with counter:
                 apply(lr)
             self.collectives += counter.count
+            self.applied += 1
 
         engine.apply_prediction = counted
 
@@ -73,6 +75,7 @@ def main(out_dir: str, predictor: str) -> None:
         "predict_steps_kept": watch.kept,
         "moved_on_predict": watch.moved,
         "apply_collectives": watch.collectives,
+        "apply_calls": watch.applied,
         "finite": bool(all(torch.isfinite(full_params(trainer.model_wrapped)))),
         "first_loss": losses[0],
         "last_loss": losses[-1],
