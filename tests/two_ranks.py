@@ -11,7 +11,7 @@ def run_two_ranks(cmd: list[str], out_dir: Path, env: dict[str, str]) -> list[di
     """Run `cmd`, which makes each rank write `rank{r}.json` into `out_dir`, and return both results.
 
     Gloo sometimes aborts a rank at interpreter shutdown, after both ranks have written their results ("terminate
-    called without an active exception": 1 CI run in 5 for DDP; 2 of 38 loaded FSDP2 runs, still 1 of 90 once the
+    called without an active exception": 1 CI run in 5 for DDP; 2 of 38 loaded FSDP2 runs, still 1 of 170 once the
     worker waits for its last gather and meets a barrier before teardown). That abort is let through; a crash before
     the results are written leaves one missing and still fails here.
     """
