@@ -107,11 +107,8 @@ def _distributed_rank(rank: int, init_file: str, results: dict) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
         # Only rank 0 is short of memory; rank 1 must still checkpoint with it.
-        state = TrainerState()
-        state.global_step = 1
         callback = EmergencyCheckpointCallback(ScriptedMonitor([[100, 9_000][rank]]), min_free_mb=1_000, check_every=1)
-        control = callback.on_step_end(types.SimpleNamespace(device=torch.device("cpu")), state, TrainerControl())
-        results[rank] = control.should_save
+        results[rank] = step_end(callback, 1)
     finally:
         dist.destroy_process_group()
 

@@ -3,6 +3,7 @@ outer state untouched, resume is bit-exact, and the guard's snapshot carries the
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import torch
@@ -134,7 +135,7 @@ def test_a_one_step_jump_checks_its_loss_with_the_probe_forward(tmp_out):
 def test_without_the_verdict_a_kept_jump_ends_a_run_of_rejections(tmp_out, monkeypatch):
     """With no probe verdict, a jump that the loss check lets through is the sign that prediction pays: it resets the
     rejections in a row, so rejections spread over a run do not retire the predictor."""
-    rejects = iter([True, False, True, False, True] + [False] * 20)
+    rejects = itertools.chain([True, False, True, False, True], itertools.repeat(False))
     check = JumpLifecycle.check_predict_step
 
     def scripted_check(self, loss):
