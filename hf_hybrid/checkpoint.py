@@ -1,4 +1,10 @@
-"""The hybrid state in a Trainer checkpoint: one file per rank beside the optimizer's, loaded safely."""
+"""The hybrid state in a Trainer checkpoint, beside the optimizer's, loaded safely.
+
+Two parts. The parameter-sized tensors (the predictor's buffers, a jump's undo copy when one is open) go where the
+Trainer puts the weights: once per job when every rank holds the same ones (one process, DDP), one file per rank when
+each rank holds its own shards (FSDP2). The rest is small and partly rank-local (the batches a rolled-back jump will
+replay, the probe, the guard's reference batch), one file per rank.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +14,21 @@ import pickle
 import torch
 
 HYBRID_STATE_NAME = "hybrid_state_rank{rank}.pt"
+HYBRID_TENSORS_NAME = "hybrid_tensors.pt"
+HYBRID_TENSOR_SHARDS_NAME = "hybrid_tensors_rank{rank}.pt"
+TENSOR_KEYS = ("predictor", "snapshot")  # the engine state's parameter-sized parts
 
 
-def save_hybrid_state(output_dir: str, rank: int, state: dict) -> None:
+def save_hybrid_state(output_dir: str, rank: int, state: dict, sharded: bool, writes_replicated: bool) -> None:
+    """`sharded`: each rank holds its own shards of the tensors. `writes_replicated`: this rank writes what every rank
+    holds alike (the Trainer's `should_save` rank)."""
+    state = dict(state)
+    tensors = {key: state.pop(key) for key in TENSOR_KEYS}
     torch.save(state, os.path.join(output_dir, HYBRID_STATE_NAME.format(rank=rank)))
+    if sharded:
+        torch.save(tensors, os.path.join(output_dir, HYBRID_TENSOR_SHARDS_NAME.format(rank=rank)))
+    elif writes_replicated:
+        torch.save(tensors, os.path.join(output_dir, HYBRID_TENSORS_NAME))
 
 
 def find_hybrid_state(checkpoint: str, rank: int) -> dict | None:
@@ -21,11 +38,20 @@ def find_hybrid_state(checkpoint: str, rank: int) -> dict | None:
         # Resumed on more ranks than saved: under DDP every rank's state is the same, so rank 0's serves. A
         # rank that started fresh instead would take other phases than its peers and hang their collectives.
         path = os.path.join(checkpoint, HYBRID_STATE_NAME.format(rank=0))
-    return load_hybrid_state(path) if os.path.isfile(path) else None
+    if not os.path.isfile(path):
+        return None
+    state = load_hybrid_state(path)
+    # Checkpoints written before the split hold the tensors in the rank's own file.
+    for name in (HYBRID_TENSOR_SHARDS_NAME.format(rank=rank), HYBRID_TENSORS_NAME):
+        tensors = os.path.join(checkpoint, name)
+        if os.path.isfile(tensors):
+            state.update(load_hybrid_state(tensors))
+            break
+    return state
 
 
 def load_hybrid_state(path: str) -> dict:
-    """The hybrid state of a checkpoint, as plain types and tensors only: a file that holds any other object is
+    """A hybrid state file of a checkpoint, as plain types and tensors only: a file that holds any other object is
     refused, because unpickling it could run code."""
     try:
         return torch.load(path, map_location="cpu", weights_only=True)

@@ -145,8 +145,10 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
 
     def weights_restored(self) -> None:
         """The guard put back an older training state (never inside a jump: an outlier there rolls the jump back
-        first): the predictor's last measured update no longer leads to the current weights."""
+        first): the predictor's last measured update no longer leads to the current weights, so it starts over."""
         self._measured_last = False
+        if not self.controller.retired:
+            self.predictor.restart()
 
     def _release(self) -> None:
         """Retired: prediction stopped paying, so its parameter-sized buffers are given back for good."""

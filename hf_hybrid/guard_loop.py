@@ -3,7 +3,9 @@
 Every real step is judged where its gradient norm is taken, from the same rank-averaged numbers as the engine. A flagged
 step is vetoed at once; what the verdict asks for (skip, roll back to the last snapshot, stop) is carried out at the
 step's end, after the Trainer stepped the schedule. Between flagged steps this room keeps the last known-good training
-state (`TrainingSnapshot`) and the last accepted step's batches, which tell bad weights from bad data.
+state (`TrainingSnapshot`) and the last accepted step's batches, which tell bad weights from bad data. A run resumed
+from a checkpoint has no snapshot until its first accepted step: an outlier that convicts the weights before then stops
+the run (with a checkpoint) instead of rolling back.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ class GuardAtLoop:
     """The guard's state on one rank of a run, and the Trainer-side work of its verdicts."""
 
     def __init__(self, trainer, saved: dict | None) -> None:
-        settings, engine = trainer.hybrid_settings, trainer._hybrid
+        settings = trainer.hybrid_settings
         self.trainer = trainer
         self.guard = StepGuard(window=settings.hybrid_guard_window, threshold=settings.hybrid_guard_threshold,
                                max_skips=settings.hybrid_guard_max_skips,
@@ -41,10 +43,11 @@ class GuardAtLoop:
         self.reference: list[dict] | None = None  # the last accepted step's: bad weights or bad data?
         self.pending: tuple | None = None  # (event, scaler state) until the step's end
         self.stop_message: str | None = None
+        # Set by a save: the next accepted step's snapshot is the checkpoint's own state, which a run resumed from it
+        # takes at that step too (it starts with none), so both runs hold the same snapshot from there on.
+        self.snapshot_asked = False
         if saved is not None:
             self.guard.load_state_dict(saved["stats"])
-            self.snapshot.load_state_dict(saved["snapshot"], engine.params, engine.optimizer,
-                                          engine.predictor.rollback_tensors())
             reference = saved["reference"]
             self.reference = move_unit((reference, None), trainer.args.device)[0] if reference else None
 
@@ -61,12 +64,13 @@ class GuardAtLoop:
             self.reference = self.inputs
             snapshot = self.snapshot
             every = trainer.hybrid_settings.hybrid_guard_snapshot_steps
-            due = every and (not snapshot.valid or step - snapshot.step >= every)
+            due = every and (self.snapshot_asked or not snapshot.valid or step - snapshot.step >= every)
             # Never inside a jump: the engine may still reject it, and a snapshot would bring it back. Not before the
             # optimizer has state either: AdamW creates it at its first step, and a resumed run has it from the start.
             if due and not jump_open and engine.optimizer.state:
                 snapshot.capture(step, engine.made_up_steps, engine.params, engine.optimizer,
-                                 trainer._hybrid_steps.schedule_state(), engine.predictor.rollback_tensors())
+                                 trainer._hybrid_steps.schedule_state())
+                self.snapshot_asked = False
             return False
         if jump_open:
             event.action = Action.SKIP  # the engine rolls the jump back, to weights known to be good
@@ -118,7 +122,7 @@ class GuardAtLoop:
         trainer, engine, snapshot = self.trainer, self.trainer._hybrid, self.snapshot
         done = "skipped the step; its batch is dropped"
         if event.action is not Action.SKIP and snapshot.valid:
-            schedule = snapshot.restore(engine.params, engine.optimizer, engine.predictor.rollback_tensors())
+            schedule = snapshot.restore(engine.params, engine.optimizer)
             # Updates in effect go back to the snapshot's; every step since then no longer counts.
             undone = (engine.record.step + 1 - snapshot.step) - (engine.made_up_steps - snapshot.made_up)
             engine.made_up_steps += undone
@@ -132,7 +136,11 @@ class GuardAtLoop:
         if event.action is Action.STOP:
             control.should_save = control.should_training_stop = True
             checkpoint = os.path.join(trainer.args.output_dir, f"checkpoint-{trainer.state.global_step}")
-            restored = done if snapshot.valid else "no snapshot to restore (--hybrid_guard_snapshot_steps 0)"
+            restored = done if snapshot.valid else (
+                "no snapshot to restore (--hybrid_guard_snapshot_steps 0)"
+                if not trainer.hybrid_settings.hybrid_guard_snapshot_steps
+                else "no snapshot to restore yet (a resumed run takes its first at its first accepted step)"
+            )
             message = (
                 f"hf_hybrid guard stopped training at step {event.step}: {event.describe()} after "
                 f"{self.guard.rollbacks} rollbacks (--hybrid_guard_max_rollbacks); {restored}; "
@@ -145,9 +153,9 @@ class GuardAtLoop:
             logger.warning(message)
 
     def state_dict(self) -> dict:
+        """For a checkpoint: the statistics and the reference batch. The snapshot stays out (see `snapshot_asked`)."""
         reference = self.reference
         return {
             "stats": self.guard.state_dict(),
-            "snapshot": self.snapshot.state_dict(),
             "reference": move_unit((reference, None), "cpu")[0] if reference else None,
         }

@@ -12,7 +12,7 @@ backward). Each override exists for one reason:
   no backward they must not touch the gradients (or the fp16 GradScaler's unscale bookkeeping), and on
   a real step the gradient norm is where a NaN or an explosion is caught before the optimizer runs;
 - `_save_optimizer_and_scheduler` / `_load_optimizer_and_scheduler`: they run on every rank, so the
-  hybrid state (including per-rank tensors) is saved and restored beside the optimizer's;
+  hybrid state is saved and restored beside the optimizer's (checkpoint.py: replicated tensors once per job);
 - `log`: to merge the `hybrid/...` metrics into the Trainer's logs, so every `report_to` gets them;
 - `train`: a run the guard stopped raises `GuardStoppedError` once the Trainer has finished its bookkeeping.
 The other loop points come through a callback placed first in line, so that a rolled-back step is made up before
@@ -250,7 +250,9 @@ class HybridMixin:
             state = self._hybrid.state_dict()
             if self._guard_loop is not None:
                 state["guard"] = self._guard_loop.state_dict()
-            save_hybrid_state(output_dir, self.args.process_index, state)
+                self._guard_loop.snapshot_asked = True
+            sharded = bool(self._hybrid.predictor.shard_groups)
+            save_hybrid_state(output_dir, self.args.process_index, state, sharded, self.args.should_save)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)

@@ -8,6 +8,7 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 from hf_hybrid import HybridHFTrainer
+from hf_hybrid.checkpoint import find_hybrid_state
 
 from .conftest import hybrid_args, make_trainer, reject_every_jump, tiny_gpt2, token_dataset
 
@@ -78,7 +79,7 @@ def check_resume_mid_predict(tmp_path, **extra) -> tuple[HybridHFTrainer, Hybrid
     # A checkpoint taken after a Predict step that is followed by another Predict step: mid-phase.
     mid = next(r["step"] for r, nxt in zip(trace, trace[1:]) if r["phase"] == nxt["phase"] == "predict")
     checkpoint = tmp_path / "full" / f"checkpoint-{mid}"
-    saved = torch.load(checkpoint / "hybrid_state_rank0.pt", weights_only=False)
+    saved = find_hybrid_state(str(checkpoint), 0)
     assert saved["controller"]["phase"] == "predict" and saved["snapshot"]["valid"]
 
     resumed_model = tiny_gpt2(seed=123)  # different init: everything must come from the checkpoint

@@ -195,7 +195,7 @@ def test_too_many_rollbacks_save_a_checkpoint_and_stop(tmp_out):
         trainer.train()
     snapshot = trainer._guard_loop.snapshot
     saved = load_hybrid_state(str(tmp_out / "checkpoint-29" / "hybrid_state_rank0.pt"))
-    assert saved["guard"]["snapshot"]["step"] == snapshot.step
+    assert "snapshot" not in saved["guard"]  # no second copy of weights and optimizer state in the checkpoint
     # The checkpoint holds the snapshot's weights, not the damaged ones.
     assert torch.equal(flat_params(trainer.model), torch.cat([t.reshape(-1) for t in snapshot.weights.tensors]))
     saved_weights = load_file(tmp_out / "checkpoint-29" / "model.safetensors")

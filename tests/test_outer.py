@@ -1,5 +1,5 @@
 """The outer-momentum predictor: its jump is the Nesterov step on the pseudo-gradient, a rejected jump leaves the
-outer state untouched, resume is bit-exact, and the guard's snapshot carries the outer state."""
+outer state untouched, resume is bit-exact, and a guard rollback starts the outer cycle over."""
 
 from __future__ import annotations
 
@@ -12,10 +12,11 @@ from transformers import TrainerCallback
 from hf_hybrid import HybridHFTrainer, Phase
 from hf_hybrid.jump import JumpLifecycle
 from hf_hybrid.payoff import PayoffMeter
-from hf_hybrid.snapshot import TrainingSnapshot
 
 from .conftest import flat_params, hybrid_args, make_trainer, tiny_gpt2, token_dataset
 from .test_equivalence_resume import assert_bit_identical, state
+from .test_guard import FaultPlan, guarded_trainer
+from .test_guard import trace as guard_trace
 
 OUTER = dict(hybrid_predictor="outer", hybrid_outer_period=5, hybrid_outer_lr=0.7, hybrid_outer_momentum=0.5)
 
@@ -88,18 +89,24 @@ def test_resume_with_the_outer_predictor_is_bit_identical(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(full_run._hybrid.predictor.buf, resumed._hybrid.predictor.buf))
 
 
-def test_the_guard_snapshot_restores_the_outer_state_with_the_weights():
-    model = tiny_gpt2()
-    params = list(model.parameters())
-    optimizer = torch.optim.AdamW(params)
-    outer_state = [torch.randn(3), torch.randn(2, 2)]
-    kept = [t.clone() for t in outer_state]
-    snapshot = TrainingSnapshot()
-    snapshot.capture(7, 0, params, optimizer, {"scheduler": {}}, outer_state)
-    for t in outer_state:
-        t.add_(1.0)
-    snapshot.restore(params, optimizer, outer_state)
-    assert all(torch.equal(a, b) for a, b in zip(outer_state, kept))
+def test_a_guard_rollback_restarts_the_outer_cycle_at_the_restored_weights(tmp_out):
+    plan = FaultPlan(spike_step=27)
+    trainer = guarded_trainer(tmp_out, plan, hybrid_predict=True, **OUTER)
+    rows = []
+
+    class Outer(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            outer = trainer._hybrid.predictor
+            rows.append({"params": flat_params(model), "anchor": torch.cat([a.reshape(-1) for a in outer.anchor]),
+                         "buf": torch.cat([b.reshape(-1) for b in outer.buf]).clone()})
+
+    trainer.add_callback(Outer())
+    trainer.train()
+    rolled = [i for i, r in enumerate(guard_trace(tmp_out)) if r["guard"] == "rollback"]
+    assert len(rolled) == 1 and trainer.hybrid_stats()["predict_steps"] >= 2
+    before, at = rows[rolled[0] - 1], rows[rolled[0]]
+    assert before["buf"].abs().sum() > 0  # kept jumps had built momentum
+    assert torch.equal(at["anchor"], at["params"]) and not at["buf"].any()
 
 
 class ForwardCounter(TrainerCallback):

@@ -57,7 +57,8 @@ class Predictor(ABC):
         pass
 
     def restart(self) -> None:
-        """Forget the updates seen so far: the next ones follow a gap, so an average across it would be stale."""
+        """Forget the updates seen so far: the next ones follow a gap (a guard rollback put older weights back), so
+        an average across it would be stale."""
         self.observed = 0
 
     def release(self) -> None:  # noqa: B027 - optional hook
@@ -72,11 +73,6 @@ class Predictor(ABC):
 
     def jump_undone(self) -> None:  # noqa: B027 - optional hook
         """The jump was rolled back: the weights are back where it began."""
-
-    def rollback_tensors(self) -> list[Tensor]:
-        """State that must go back with the weights when the guard restores an older training state. A predictor
-        that only averages recent updates has none: it restarts after such a gap."""
-        return []
 
     @abstractmethod
     def direction(self, index: int, param: Tensor, lr: float) -> Tensor:

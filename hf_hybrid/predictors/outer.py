@@ -57,6 +57,14 @@ class OuterMomentumPredictor(Predictor):
             self.anchor = [torch.empty_like(p) for p in shards]
         torch._foreach_copy_(self.anchor, shards)
 
+    def restart(self) -> None:
+        """After a guard rollback: the next cycle starts at the restored weights, with no momentum. The jumps kept
+        since the guard's snapshot are undone with the weights, and their pseudo-gradients may hold the damage the
+        guard caught, so the momentum they built is not kept (nor copied into every snapshot: 2x the parameters)."""
+        super().restart()
+        self.set_anchor()
+        torch._foreach_zero_(self.buf)
+
     def release(self) -> None:
         self.anchor, self.buf = None, []
 
@@ -83,12 +91,10 @@ class OuterMomentumPredictor(Predictor):
         """The weights are back where the jump began: the next cycle starts there, with the momentum as it was."""
         self.set_anchor()
 
-    def rollback_tensors(self) -> list[Tensor]:
-        return [*(self.anchor or []), *self.buf]
-
     def state_dict(self) -> dict:
-        return {**super().state_dict(), "anchor": [t.detach().cpu().clone() for t in self.anchor or []],
-                "buf": [t.detach().cpu().clone() for t in self.buf]}
+        # Handed over, not cloned: the checkpoint is written at once, and a copy would add 2x the parameters.
+        return {**super().state_dict(), "anchor": [t.detach().cpu() for t in self.anchor or []],
+                "buf": [t.detach().cpu() for t in self.buf]}
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)

@@ -42,7 +42,7 @@ class VelocityPredictor(Predictor):
         return self.velocity[index] * (lr / bias_correction)
 
     def state_dict(self) -> dict:
-        return {**super().state_dict(), "velocity": [v.detach().cpu().clone() for v in self.velocity]}
+        return {**super().state_dict(), "velocity": [v.detach().cpu() for v in self.velocity]}
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
