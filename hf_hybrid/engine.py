@@ -127,7 +127,7 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
                 return True
         self.payoff.tick_real(loss)
         self.monitor.observe(loss, grad_norm)
-        if not self.controller.retired:  # the loss forecast serves only decisions to predict
+        if self._forecasting:
             self.dynamics.observe(loss, grad_norm, lr)
         return False
 
@@ -142,6 +142,11 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
             self.rollback()  # which makes up this step with the jump's
         else:
             self.made_up_steps += 1
+
+    @property
+    def _forecasting(self) -> bool:
+        """The loss forecast serves only decisions to predict, and only for a predictor that uses it."""
+        return self.predictor.uses_forecast and not self.controller.retired
 
     def weights_restored(self) -> None:
         """The guard put back an older training state (never inside a jump: an outlier there rolls the jump back
@@ -160,9 +165,9 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
         """After the optimizer step: decide the next step's phase."""
         record = self.record
         if not record.rollback:
-            if self.controller.confidence_due:
+            if self._forecasting and self.controller.confidence_due:
                 self.confidence = self.dynamics.confidence()
-            ready = self.predictor.ready and self.dynamics.ready
+            ready = self.predictor.ready and (self.dynamics.ready or not self.predictor.uses_forecast)
             self.controller.end_step(self.confidence, ready)
             phase = self.controller.phase
             over = record.phase is Phase.CORRECT or (record.phase is Phase.PREDICT and phase is not Phase.PREDICT)

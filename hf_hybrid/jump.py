@@ -22,8 +22,10 @@ class JumpLifecycle:
         self.snapshot.capture(self._shards())
         self.jump_start_step = step
         self.payoff.begin_prediction()
-        # Predicted step k checks the weights after k+1 deltas, about k+2 real steps after the last loss seen.
-        self.band = self.dynamics.forecast(self.controller.planned_predict_steps + 1)
+        # Predicted step k checks the weights after k+1 deltas, about k+2 real steps after the last loss seen. Without
+        # a forecast, the band is centred on the loss's recent level.
+        if self.predictor.uses_forecast:
+            self.band = self.dynamics.forecast(self.controller.planned_predict_steps + 1)
 
     @property
     def starts_prediction(self) -> bool:

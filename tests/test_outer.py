@@ -60,6 +60,7 @@ def test_the_jump_is_an_outer_nesterov_step_on_the_pseudo_gradient(tmp_out):
     torch.testing.assert_close(w[16], w[10] - a * (g2 + m * buf2))
     torch.testing.assert_close(rows[16]["buf"], buf2)
     assert trainer.hybrid_stats()["backward_steps"] == 30 - len(jumps)
+    assert trainer._hybrid.dynamics.steps == 0  # the period and the probe decide: no loss forecast is paid for
 
 
 def test_a_rejected_jump_leaves_weights_and_momentum_as_they_were(tmp_out, monkeypatch):

@@ -28,6 +28,8 @@ from torch import Tensor
 class Predictor(ABC):
     name: ClassVar[str]
     uses_updates: ClassVar[bool] = True  # whether `observe` needs the real update (costs a parameter copy)
+    # Whether its jumps are gated and watched by the loss forecast (dynamics.py); one that is not never pays for it.
+    uses_forecast: ClassVar[bool] = True
     # How many real updates right before a prediction the predictor needs (None: all of them). Outside that window
     # the engine does not measure updates at all, so a run whose jumps keep being rejected (long back-off) or a long
     # warmup does not pay for them; the predictor is restarted when its window opens.

@@ -24,6 +24,7 @@ from .base import Predictor, local_shard
 class OuterMomentumPredictor(Predictor):
     name = "outer"
     uses_updates = False
+    uses_forecast = False  # the period schedules its jumps and the probe judges them
 
     def __init__(self, params: list[Tensor], optimizer: torch.optim.Optimizer, period: int = 30,
                  outer_lr: float = 0.6, momentum: float = 0.9) -> None:
