@@ -1,0 +1,62 @@
+"""The hybrid adds at most one device-to-host read to a real step: the rank-averaged loss and gradient norm that the
+engine and the guard decide on. Counted by patching every way a tensor reaches the host."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Trainer, TrainerCallback
+
+from hf_hybrid import Phase
+
+from .conftest import hybrid_args, make_trainer, tiny_gpt2, token_dataset
+
+HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "cpu", "numpy")
+
+
+class ReadsPerStep(TrainerCallback):
+    """Host reads between one step's end and the next, with the step's phase (None for the plain Trainer)."""
+
+    def __init__(self, counter: list[int]) -> None:
+        self.counter, self.trainer, self.rows = counter, None, []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        engine = getattr(self.trainer, "_hybrid", None)
+        self.rows.append((engine.last_record.phase if engine is not None else None, self.counter[0]))
+        self.counter[0] = 0
+
+
+@pytest.fixture
+def counter(monkeypatch):
+    count = [0]
+    for name in HOST_READS:
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, **kwargs):
+            count[0] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    return count
+
+
+def reads(trainer, counter) -> list[tuple]:
+    recorder = ReadsPerStep(counter)
+    recorder.trainer = trainer
+    trainer.add_callback(recorder)
+    trainer.train()
+    return recorder.rows[1:]  # the first step also pays for the run's setup
+
+
+def test_a_real_step_makes_at_most_one_host_read_more_than_the_trainers(tmp_path, counter):
+    common = dict(max_steps=40, logging_steps=1000, max_grad_norm=1.0)
+    plain_args = hybrid_args(tmp_path / "plain", **common)
+    plain = Trainer(model=tiny_gpt2(), args=plain_args, train_dataset=token_dataset())
+    plain_reads = {n for _, n in reads(plain, counter)}
+    # The library's defaults (outer predictor, guard) on a short schedule, so that jumps and snapshots happen.
+    hybrid = make_trainer(tmp_path / "hybrid", hybrid_predictor="outer", hybrid_outer_period=5,
+                          hybrid_guard_window=16, hybrid_guard_snapshot_steps=5, hybrid_payoff_check=True, **common)
+    rows = reads(hybrid, counter)
+    real = [n for phase, n in rows if phase is not Phase.PREDICT]
+    assert len(plain_reads) == 1 and len(real) > 20 and len(real) < len(rows)
+    assert max(real) <= plain_reads.pop() + 1, real
