@@ -11,7 +11,8 @@ from __future__ import annotations
 import copy
 
 import torch
-from transformers.trainer_callback import ProgressCallback
+from transformers.trainer_callback import DefaultFlowCallback, ProgressCallback, TrainerCallback
+from transformers.trainer_utils import SaveStrategy
 from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
@@ -103,3 +104,35 @@ class StepVeto:
             for callback in self.trainer.callback_handler.callbacks
             if isinstance(callback, ProgressCallback) and callback.training_bar is not None
         ]
+
+
+class SaveOnCountedSteps(TrainerCallback):
+    """`--save_steps` counts the updates that count, as `max_steps` does: a step made up for a rolled-back jump or a
+    skipped step does not move the save schedule, so the run writes the Trainer's checkpoints and no extra one (a
+    made-up step would otherwise meet `save_steps` once before the extended end, which saves again). Placed right
+    after `DefaultFlowCallback`, whose decision it corrects; a save asked for by anything else (the end of training,
+    the guard's stop, a callback further down) stands."""
+
+    def __init__(self, engine_of) -> None:
+        self.engine_of = engine_of  # the trainer's engine at call time (None with the hybrid off or between runs)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        engine = self.engine_of()
+        every = state.save_steps
+        if engine is None or args.save_strategy != SaveStrategy.STEPS or not every or control.should_training_stop:
+            return
+        if state.global_step >= state.max_steps:
+            return
+        counted = state.global_step - engine.made_up_steps
+        if state.global_step % every == 0:  # DefaultFlowCallback's own reason to save
+            control.should_save = False
+        record = engine.last_record
+        this_step_counts = record is not None and not (record.rollback or record.skipped)
+        if this_step_counts and counted > 0 and counted % every == 0:
+            control.should_save = True
+
+    @staticmethod
+    def install(trainer) -> None:
+        callbacks = trainer.callback_handler.callbacks
+        after = next((i + 1 for i, c in enumerate(callbacks) if isinstance(c, DefaultFlowCallback)), len(callbacks))
+        callbacks.insert(after, SaveOnCountedSteps(lambda: trainer._hybrid))

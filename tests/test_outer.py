@@ -13,7 +13,7 @@ from hf_hybrid import HybridHFTrainer, Phase
 from hf_hybrid.jump import JumpLifecycle
 from hf_hybrid.payoff import PayoffMeter
 
-from .conftest import flat_params, hybrid_args, make_trainer, tiny_gpt2, token_dataset
+from .conftest import flat_params, hybrid_args, make_trainer, reject_every_jump, tiny_gpt2, token_dataset
 from .test_equivalence_resume import assert_bit_identical, state
 from .test_guard import FaultPlan, guarded_trainer
 from .test_guard import trace as guard_trace
@@ -156,3 +156,14 @@ def test_without_the_verdict_a_kept_jump_ends_a_run_of_rejections(tmp_out, monke
     outcomes = [r["rollback"] for r in rows if r["phase"] is Phase.PREDICT]
     assert outcomes[:5] == [True, False, True, False, True]
     assert not trainer._hybrid.controller.retired
+
+
+def test_made_up_steps_write_the_trainers_checkpoints_and_no_extra_one(tmp_path, monkeypatch):
+    reject_every_jump(monkeypatch)  # every jump is made up: the run ends later than max_steps
+    trainer, rows = run(tmp_path, max_steps=20, save_strategy="steps", save_steps=10, hybrid_payoff_check=True,
+                        hybrid_max_rejections=0)
+    made_up = trainer._hybrid.made_up_steps
+    assert made_up >= 1 and trainer.state.global_step == 20 + made_up
+    saved = sorted(int(p.name.split("-")[1]) for p in tmp_path.glob("checkpoint-*"))
+    counted_tenth = next(i + 1 for i in range(len(rows)) if i + 1 - sum(r["rollback"] for r in rows[:i + 1]) == 10)
+    assert saved == [counted_tenth, trainer.state.global_step]
