@@ -45,7 +45,8 @@ class StepRecord:
 
 
 class HybridEngine(JumpLifecycle, PredictorFeed):
-    def __init__(self, settings, params: list[Tensor], optimizer: torch.optim.Optimizer, seed: int = 0) -> None:
+    def __init__(self, settings, params: list[Tensor], optimizer: torch.optim.Optimizer, seed: int = 0,
+                 accumulation: int = 1) -> None:
         if not params:
             raise ValueError("hybrid training needs at least one trainable parameter; the model has none")
         self.settings = settings
@@ -57,7 +58,7 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
         self.monitor = DivergenceMonitor(
             band_sigmas=settings.hybrid_loss_band, grad_explosion_factor=settings.hybrid_grad_explosion_factor
         )
-        self.payoff = PayoffMeter(forward_cost=settings.hybrid_predict_step_cost)
+        self.payoff = PayoffMeter(forward_cost=settings.hybrid_predict_step_cost, accumulation=accumulation)
         self.dynamics = LossDynamicsModel(seed=seed)
         self.snapshot = WeightSnapshot(on_host=settings.hybrid_offload_snapshot)
         self.replay = BatchReplay()

@@ -43,13 +43,13 @@ class JumpLifecycle:
     def set_probe(self, inputs: dict, loss: float) -> None:
         """Keep the probe batch and its loss at the weights before the phase's first delta."""
         self.probe, self.probe_loss = inputs, loss
-        self.payoff.tick_forward()
+        self.payoff.tick_probe()
 
     def judge_probe(self, loss_after: float, forward_run: bool = True) -> None:
         """At the end of a Predict phase: keep the jump only if its probe gain beat plain training's.
         `forward_run`: False when the step's loss check already was the probe's forward, paid for there."""
         if forward_run:
-            self.payoff.tick_forward()
+            self.payoff.tick_probe()
         paid = self.payoff.verdict(self.probe_loss - loss_after)
         self.probe = self.probe_loss = None
         if paid:

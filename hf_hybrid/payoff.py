@@ -1,9 +1,10 @@
 """Does a prediction pay? Its measured gain on a probe batch against what plain training would have gained.
 
-The clock is in cost units, not seconds: a real step costs 1, a forward pass (a checked predicted step, or
-a probe) costs `forward_cost` (about 1/3 by the forward:backward ratio), an unchecked predicted step costs
-`unmonitored_cost`. Wall time would make decisions differ between ranks and between a resumed run and an
-uninterrupted one; the benchmark measures the real ratio so the cost can be set to it.
+The clock is in cost units, not seconds: a real step costs 1, a forward pass over a step's batches (a checked
+predicted step) costs `forward_cost` (about 1/3 by the forward:backward ratio), a probe, which is one micro-batch of
+the step's `accumulation`, that cost over `accumulation`, and an unchecked predicted step costs `unmonitored_cost`.
+Wall time would make decisions differ between ranks and between a resumed run and an uninterrupted one; the
+benchmark measures the real ratio so the cost can be set to it.
 
 Before a Predict phase, a least-squares line through the recent real-step losses gives the rate at which
 plain training was improving per unit cost. The phase's gain is measured on one probe batch (the phase's
@@ -31,6 +32,7 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
 @dataclass
 class PayoffMeter:
     forward_cost: float = 0.35
+    accumulation: int = 1  # micro-batches per optimizer step
     unmonitored_cost: float = 0.02
     window: int = 64
     smoothing: float = 0.3
@@ -52,8 +54,8 @@ class PayoffMeter:
         while len(self.history) > self.window:
             self.history.popleft()
 
-    def tick_forward(self) -> None:
-        self.clock += self.forward_cost
+    def tick_probe(self) -> None:
+        self.clock += self.forward_cost / self.accumulation
 
     def tick_predict(self, monitored: bool) -> None:
         self.clock += self.forward_cost if monitored else self.unmonitored_cost
@@ -85,7 +87,7 @@ class PayoffMeter:
 
     def state_dict(self) -> dict:
         # Settings come from the flags of the run that resumes, not from the checkpoint.
-        settings = ("forward_cost", "unmonitored_cost", "window", "smoothing")
+        settings = ("forward_cost", "accumulation", "unmonitored_cost", "window", "smoothing")
         state = {k: getattr(self, k) for k in self.__dataclass_fields__ if k not in settings}
         state["history"] = [list(p) for p in self.history]
         return state

@@ -189,7 +189,8 @@ class HybridMixin:
         # Parameters of the prepared model: under FSDP2 these are the DTensors that hold the local shards.
         params = [p for p in self.model_wrapped.parameters() if p.requires_grad]
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
-        engine = HybridEngine(self.hybrid_settings, params, optimizer, seed=self.args.seed)
+        engine = HybridEngine(self.hybrid_settings, params, optimizer, seed=self.args.seed,
+                              accumulation=self.args.gradient_accumulation_steps)
         if self._hybrid_pending_state is not None:
             engine.load_state_dict(self._hybrid_pending_state)
         return engine

@@ -77,10 +77,10 @@ def test_payoff_requires_what_plain_training_would_have_gained():
         for i in range(64):  # plain training improves 0.01 per unit cost
             meter.tick_real(5.0 - 0.01 * i + rng.gauss(0, 0.005))
         meter.begin_prediction()
-        meter.tick_forward()  # probe before
+        meter.tick_probe()  # probe before
         for _ in range(8):
             meter.tick_predict(monitored=False)
-        meter.tick_forward()  # probe after: 0.35 + 8 x 0.02 + 0.35 = 0.86 units
+        meter.tick_probe()  # probe after: 0.35 + 8 x 0.02 + 0.35 = 0.86 units
         return meter
 
     good = meter_after_fall()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 
+import pytest
 import torch
 from transformers import TrainerCallback
 
@@ -123,20 +124,25 @@ class ForwardCounter(TrainerCallback):
         self.calls, self.clock = 0, engine.payoff.clock
 
 
-def test_a_one_step_jump_checks_its_loss_with_the_probe_forward(tmp_out):
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_a_one_step_jump_is_charged_the_forwards_it_runs(tmp_out, accumulation):
     model = tiny_gpt2()
     counter = ForwardCounter(model)
     trainer = make_trainer(tmp_out, model=model, **{**OUTER, "max_steps": 30, "hybrid_payoff_check": True,
-                                                    "hybrid_max_rejections": 0})
+                                                    "hybrid_max_rejections": 0,
+                                                    "gradient_accumulation_steps": accumulation})
     counter.trainer = trainer
     trainer.add_callback(counter)
     trainer.train()
     jumps = [(calls, charged) for phase, calls, charged in counter.rows if phase is Phase.PREDICT]
     assert len(jumps) >= 2
-    # The probe before the jump and after it, no third forward; and the verdict is charged for those two only.
-    forward = trainer._hybrid.payoff.forward_cost
-    assert all(calls == 2 and abs(charged - 2 * forward) < 1e-9 for calls, charged in jumps)
-    assert all(calls == 1 and charged == 1.0 for phase, calls, charged in counter.rows if phase is not Phase.PREDICT)
+    # One micro-batch: the probe before the jump and after it, which is also the step's loss check. With accumulation:
+    # the probe twice and the step's micro-batches. Each micro-batch forward is charged its share of a step's.
+    forwards = 2 if accumulation == 1 else accumulation + 2
+    per_forward = trainer._hybrid.payoff.forward_cost / accumulation
+    assert all(calls == forwards and abs(charged - forwards * per_forward) < 1e-9 for calls, charged in jumps)
+    assert all(calls == accumulation and abs(charged - 1.0) < 1e-9
+               for phase, calls, charged in counter.rows if phase is not Phase.PREDICT)
     assert trainer.hybrid_stats()["predictions_judged"] == len(jumps)
 
 
