@@ -222,6 +222,15 @@ def validate_hybrid_settings(settings) -> None:
             "needs --hybrid_predictor velocity or outer: 'adam' reads the optimizer state")
 
 
+def ignored_flags(settings) -> list[str]:
+    """The flags set away from their defaults that only other predictors than the active one read."""
+    if not (settings.hybrid and settings.hybrid_predict):
+        return []
+    active = PREDICTORS[settings.hybrid_predictor].flags
+    others = {flag for cls in PREDICTORS.values() for flag in cls.flags} - set(active)
+    return [f.name for f in HYBRID_FIELDS if f.name in others and getattr(settings, f.name) != f.default]
+
+
 def hybrid_settings(args: TrainingArguments) -> HybridTrainingArguments | SimpleNamespace:
     """The hybrid settings of `args`: its own fields, or the defaults for a plain `TrainingArguments`."""
     if isinstance(args, HybridTrainingArguments):

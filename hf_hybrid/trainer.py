@@ -26,7 +26,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.utils import logging
 
 from .checkpoint import find_hybrid_state, load_hybrid_state, save_hybrid_state
-from .config import hybrid_settings
+from .config import hybrid_settings, ignored_flags
 from .controller import Phase
 from .engine import HybridEngine
 from .guard import StepGuard
@@ -86,6 +86,10 @@ class HybridMixin:
         if not self.hybrid_settings.hybrid:
             return
         check_launch_mode(self)
+        ignored = ignored_flags(self.hybrid_settings)
+        if ignored and self.args.process_index == 0:
+            logger.warning(f"hf_hybrid: --hybrid_predictor {self.hybrid_settings.hybrid_predictor} does not read "
+                           f"{', '.join('--' + f for f in ignored)}: they have no effect on this run.")
         # First in line: a rollback extends max_steps at the step's end, before DefaultFlowCallback decides to stop.
         self.callback_handler.callbacks.insert(0, _HybridStepHooks(self))
         SaveOnCountedSteps.install(self)

@@ -60,3 +60,21 @@ def test_offload_with_adam_predictor_is_refused(tmp_path):
     with pytest.raises(ValueError, match="--hybrid_offload_optimizer_state.*velocity"):
         HybridTrainingArguments(output_dir=str(tmp_path), hybrid_offload_optimizer_state=True,
                                 hybrid_predictor="adam")
+
+
+def test_flags_the_active_predictor_does_not_read_are_named_in_one_warning(tmp_path, caplog):
+    def warnings(**flags) -> list[str]:
+        caplog.clear()
+        args = HybridTrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True, **flags)
+        with caplog.at_level("WARNING", logger="hf_hybrid"):
+            HybridHFTrainer(model=tiny_gpt2(), args=args, train_dataset=token_dataset(16))
+        return [r.getMessage() for r in caplog.records if "does not read" in r.getMessage()]
+
+    assert warnings(hybrid_full_steps=5, hybrid_monitor_interval=2, hybrid_outer_period=7) == [
+        "hf_hybrid: --hybrid_predictor outer does not read --hybrid_full_steps, --hybrid_monitor_interval: they have "
+        "no effect on this run."
+    ]
+    assert warnings(hybrid_predictor="velocity", hybrid_outer_lr=0.3, hybrid_full_steps=5) == [
+        "hf_hybrid: --hybrid_predictor velocity does not read --hybrid_outer_lr: they have no effect on this run."
+    ]
+    assert warnings() == [] and warnings(hybrid_predict=False, hybrid_full_steps=5) == []

@@ -24,9 +24,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+# The flags of the multi-step Predict/Correct schedule and its checks, read by the predictors that run it.
+SCHEDULE_FLAGS = ("hybrid_full_steps", "hybrid_min_predict_steps", "hybrid_max_predict_steps", "hybrid_correct_steps",
+                  "hybrid_confidence_threshold", "hybrid_max_consecutive_predicts", "hybrid_monitor_interval",
+                  "hybrid_grad_explosion_factor")
+
 
 class Predictor(ABC):
     name: ClassVar[str]
+    flags: ClassVar[tuple[str, ...]] = SCHEDULE_FLAGS  # the predictor-specific flags it reads
     uses_updates: ClassVar[bool] = True  # whether `observe` needs the real update (costs a parameter copy)
     # Whether its jumps are gated and watched by the loss forecast (dynamics.py); one that is not never pays for it.
     uses_forecast: ClassVar[bool] = True

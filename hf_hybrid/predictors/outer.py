@@ -23,6 +23,8 @@ from .base import Predictor, local_shard
 
 class OuterMomentumPredictor(Predictor):
     name = "outer"
+    # Its schedule is the period (controller_settings), with no Correct step and a one-step jump that is always checked.
+    flags = ("hybrid_outer_period", "hybrid_outer_lr", "hybrid_outer_momentum")
     uses_updates = False
     uses_forecast = False  # the period schedules its jumps and the probe judges them
 

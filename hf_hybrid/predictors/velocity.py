@@ -15,6 +15,7 @@ from .base import Predictor, local_shard
 
 class VelocityPredictor(Predictor):
     name = "velocity"
+    flags = (*Predictor.flags, "hybrid_velocity_beta")
 
     def __init__(self, params: list[Tensor], optimizer: torch.optim.Optimizer, beta: float = 0.95) -> None:
         super().__init__(params, optimizer)
