@@ -22,6 +22,9 @@ TENSOR_KEYS = ("predictor", "snapshot")  # the engine state's parameter-sized pa
 def save_hybrid_state(output_dir: str, rank: int, state: dict, sharded: bool, writes_replicated: bool) -> None:
     """`sharded`: each rank holds its own shards of the tensors. `writes_replicated`: this rank writes what every rank
     holds alike (the Trainer's `should_save` rank)."""
+    # Every rank writes here, and the Trainer may not have made the folder yet on this one: under DDP, rank 1 got
+    # "Parent directory checkpoint-10 does not exist" (tests/test_ddp.py).
+    os.makedirs(output_dir, exist_ok=True)
     state = dict(state)
     tensors = {key: state.pop(key) for key in TENSOR_KEYS}
     torch.save(state, os.path.join(output_dir, HYBRID_STATE_NAME.format(rank=rank)))

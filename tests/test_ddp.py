@@ -12,11 +12,11 @@ from .two_ranks import run_two_ranks
 HERE = Path(__file__).parent
 
 
-def launch_two_ranks(worker: str, out_dir: Path) -> list[dict]:
+def launch_two_ranks(worker: str, out_dir: Path, *worker_args: str) -> list[dict]:
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(HERE / worker),
-           str(out_dir)]
+           str(out_dir), *worker_args]
     return run_two_ranks(cmd, out_dir, env)
 
 
@@ -38,3 +38,26 @@ def test_two_process_ddp_ranks_take_the_same_guard_decisions(tmp_path):
     assert stats["guard_rollbacks"] == 1 and stats["non_finite"] == 1 and stats["skipped_steps"] == 2
     assert ranks[0]["stats"] == ranks[1]["stats"]
     assert ranks[0]["hashes"] == ranks[1]["hashes"]
+
+
+def test_the_defaults_on_two_ranks_keep_them_identical_and_resume_exactly(tmp_path):
+    """The outer predictor and the guard: jumps kept and rolled back, a guard skip (rank 1's NaN) and a guard rollback
+    (a spike on both), ranks identical after every step; one copy of the parameter-sized state per checkpoint; a
+    two-rank resume from a checkpoint between the guard's rollback and its skip ends bit for bit where the
+    uninterrupted run ends."""
+    full = launch_two_ranks("ddp_defaults_worker.py", tmp_path / "full")
+    assert full[0]["stats"] == full[1]["stats"] and full[0]["hashes"] == full[1]["hashes"]
+    stats, events = full[0]["stats"], full[0]["events"]
+    assert stats["predictions_kept"] >= 1 and stats["predictions_judged"] > stats["predictions_kept"]
+    assert stats["guard_rollbacks"] == 1 and stats["non_finite"] == 1, events
+    checkpoints = sorted((tmp_path / "full").glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    for checkpoint in checkpoints:
+        names = {p.name for p in checkpoint.iterdir()}
+        assert {"hybrid_tensors.pt", "hybrid_state_rank0.pt", "hybrid_state_rank1.pt"} <= names
+        assert not any(n.startswith("hybrid_tensors_rank") for n in names)
+    guard_rollback = next(step for step, _, _, guard in events if guard == "rollback")
+    nan_skip = next(step for step, _, _, guard in events if guard == "skip" and step > guard_rollback)
+    resume_at = next(c for c in checkpoints if guard_rollback < int(c.name.split("-")[1]) < nan_skip)
+    resumed = launch_two_ranks("ddp_defaults_worker.py", tmp_path / "resumed", str(resume_at))
+    assert resumed[0]["hashes"][-1] == resumed[1]["hashes"][-1] == full[0]["hashes"][-1]
+    assert resumed[0]["stats"] == full[0]["stats"]
