@@ -216,7 +216,8 @@ def test_nan_reaches_no_weight_and_a_finite_outlier_keeps_the_schedule(tmp_out):
     assert all(torch.isfinite(r["params"]).all() for r in rows)
 
 
-@pytest.mark.parametrize("resume_at", [30, 35])  # after a rollback, between two skips
+# After a rollback; right before two skips (a skipped step writes no checkpoint: `--save_steps` counts updates).
+@pytest.mark.parametrize("resume_at", [30, 34])
 def test_resume_across_guard_events_is_bit_exact(tmp_path, resume_at):
     plan = FaultPlan(window=(34, 36), spike_step=20)
     settings = dict(save_strategy="steps", save_steps=1, hybrid_predict=True, hybrid_payoff_check=True)
