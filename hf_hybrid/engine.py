@@ -224,22 +224,10 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
     @staticmethod
     def plain_stats(steps: int) -> dict:
         """`stats()` of a run with the hybrid off: every step a plain Full step."""
-        return {
-            "phase_steps": {p.value: (steps if p is Phase.FULL else 0) for p in Phase},
-            "backward_steps": steps,
-            "predict_steps": 0,
-            "backward_reduction": 0.0,
-            "rollbacks": 0,
-            "retired": False,
-            "divergences": 0,
-            "non_finite": 0,
-            "skipped_steps": 0,
-            "undone_steps": 0,
-            "predictions_judged": 0,
-            "predictions_kept": 0,
-            "jump_gain": 0.0,
-            "jump_worth_steps": 0.0,
-        }
+        return {"phase_steps": {p.value: (steps if p is Phase.FULL else 0) for p in Phase}, "backward_steps": steps,
+                "predict_steps": 0, "backward_reduction": 0.0, "rollbacks": 0, "retired": False, "divergences": 0,
+                "non_finite": 0, "skipped_steps": 0, "undone_steps": 0, "predictions_judged": 0,
+                "predictions_kept": 0, "jump_gain": 0.0, "jump_worth_steps": 0.0}
 
     def log_metrics(self) -> dict[str, float]:
         stats = self.stats()
