@@ -10,7 +10,7 @@ Host time per real step: the hybrid's work between backward and `optimizer.step`
 past the Trainer's own, and the pre-step hook), timed with `time.perf_counter` around those calls. On the CPU every
 operation is synchronous, so this is host time.
 
-    python scripts/memory_budget.py --steps 40 --out docs/gpt2-124m-memory-budget.json
+    python scripts/memory_budget.py --steps 24 --warmup 5 --period 6 --pairs 1 --out docs/gpt2-124m-memory-budget.json
 """
 
 from __future__ import annotations
