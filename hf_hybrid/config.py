@@ -61,6 +61,12 @@ class HybridTrainingArguments(TrainingArguments):
             Outer learning rate of the `outer` predictor; 1 with no momentum is no jump at all.
         hybrid_outer_momentum (`float`, defaults to `0.9`):
             Nesterov momentum of the `outer` predictor, in [0, 1).
+        hybrid_lr_autopilot (`bool`, defaults to `True`):
+            Let the `outer` predictor's cycles raise the learning rate when they show the steps are too short: one
+            multiplier on the whole schedule (logged as `hybrid/lr_scale`), up to 10x, never below the user's. Each
+            raise is judged over the next cycle and undone bit for bit (to the guard's snapshot) when its steps do not
+            make more progress than the steps before; no raise in the schedule's final decay. Needs the guard and the
+            payoff check. `False` keeps `--learning_rate` exactly.
         hybrid_monitor_interval (`int`, defaults to `1`):
             Run a forward pass to check the loss on every N-th predicted step (and always on a phase's last);
             skipped steps cost almost nothing but are unchecked until the next check.
@@ -137,6 +143,9 @@ class HybridTrainingArguments(TrainingArguments):
     hybrid_outer_lr: float = field(default=0.6, metadata={"help": "Outer learning rate of the outer predictor."})
     hybrid_outer_momentum: float = field(
         default=0.9, metadata={"help": "Nesterov momentum of the outer predictor, in [0, 1)."}
+    )
+    hybrid_lr_autopilot: bool = field(
+        default=True, metadata={"help": "Raise the learning rate when outer cycles show it is too small (judged)."}
     )
     hybrid_monitor_interval: int = field(
         default=1, metadata={"help": "Check the loss with a forward pass on every N-th predicted step."}

@@ -76,6 +76,7 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
         self.band: tuple[list[float], list[float]] = ([], [])
         self.probe: dict | None = None  # the first batch of the Predict phase, never trained on
         self.probe_loss: float | None = None  # its loss before the phase's first delta
+        self.line: tuple | None = None  # the outer cycle's line of probe losses, for the autopilot (jump.set_line)
         self.record: StepRecord | None = None  # the optimizer step under way
         self.last_record: StepRecord | None = None
         self.jump_start_step: int | None = None  # the global step at which the open jump began
@@ -231,20 +232,14 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
 
     def log_metrics(self) -> dict[str, float]:
         stats = self.stats()
-        metrics = {
-            "hybrid/phase": float(PHASE_IDS[self.controller.phase]),
-            "hybrid/confidence": float(self.confidence),
-            "hybrid/backward_reduction": float(stats["backward_reduction"]),
-            "hybrid/predict_steps": float(stats["predict_steps"]),
-            "hybrid/rollbacks": float(stats["rollbacks"]),
-            "hybrid/divergences": float(stats["divergences"]),
-            "hybrid/skipped_steps": float(stats["skipped_steps"]),
-            "hybrid/backoff": float(self.controller.backoff),
-            "hybrid/retired": float(self.controller.retired),
-            "hybrid/payoff_advantage": float(self.payoff.advantage),
+        metrics = {f"hybrid/{key}": float(stats[key]) for key in (
+            "backward_reduction", "predict_steps", "rollbacks", "divergences", "skipped_steps", "retired")}
+        metrics.update({
+            "hybrid/phase": float(PHASE_IDS[self.controller.phase]), "hybrid/confidence": float(self.confidence),
+            "hybrid/backoff": float(self.controller.backoff), "hybrid/payoff_advantage": float(self.payoff.advantage),
             "hybrid/probe_gain": float(self.payoff.last_gain),
             "hybrid/probe_required": float(self.payoff.last_required),
-        }
+        })
         if self.predictor.last_residual is not None:
             metrics["hybrid/prediction_error"] = float(self.predictor.last_residual)
         return metrics

@@ -46,6 +46,9 @@ class GuardAtLoop:
         # Set by a save: the next accepted step's snapshot is the checkpoint's own state, which a run resumed from it
         # takes at that step too (it starts with none), so both runs hold the same snapshot from there on.
         self.snapshot_asked = False
+        # Set while a learning-rate raise is on trial (lr_autopilot.py): the snapshot is its undo point, not replaced
+        # on the periodic schedule until the raise is judged.
+        self.snapshot_held = False
         if saved is not None:
             self.guard.load_state_dict(saved["stats"])
             reference = saved["reference"]
@@ -64,7 +67,8 @@ class GuardAtLoop:
             self.reference = self.inputs
             snapshot = self.snapshot
             every = trainer.hybrid_settings.hybrid_guard_snapshot_steps
-            due = every and (self.snapshot_asked or not snapshot.valid or step - snapshot.step >= every)
+            periodic = not snapshot.valid or (step - snapshot.step >= every and not self.snapshot_held)
+            due = every and (self.snapshot_asked or periodic)
             # Never inside a jump: the engine may still reject it, and a snapshot would bring it back. Not before the
             # optimizer has state either: AdamW creates it at its first step, and a resumed run has it from the start.
             if due and not jump_open and engine.optimizer.state:
@@ -122,14 +126,8 @@ class GuardAtLoop:
         trainer, engine, snapshot = self.trainer, self.trainer._hybrid, self.snapshot
         done = "skipped the step; its batch is dropped"
         if event.action is not Action.SKIP and snapshot.valid:
-            schedule = snapshot.restore(engine.params, engine.optimizer)
-            # Updates in effect go back to the snapshot's; every step since then no longer counts.
-            undone = (engine.record.step + 1 - snapshot.step) - (engine.made_up_steps - snapshot.made_up)
-            engine.made_up_steps += undone
+            undone = self.restore_snapshot(engine.record.step)
             self.guard.undone_steps += undone
-            trainer._hybrid_steps.make_up(undone, schedule)
-            engine.weights_restored()
-            self.reference = None
             done = (f"rolled back to the snapshot before step {snapshot.step + 1} ({undone} updates undone, their "
                     "batches dropped)")
         message = f"hf_hybrid guard: step {event.step}: {event.describe()}: {done}."
@@ -151,6 +149,19 @@ class GuardAtLoop:
             self.stop_message = message
         if trainer.is_world_process_zero():
             logger.warning(message)
+
+    def restore_snapshot(self, step: int) -> int:
+        """Put the snapshot back at the end of optimizer step `step` (0-based): weights, optimizer state, schedule
+        and RNG. The updates since it no longer count and are made up; the batches since it are dropped. Returns how
+        many updates were undone."""
+        trainer, engine, snapshot = self.trainer, self.trainer._hybrid, self.snapshot
+        schedule = snapshot.restore(engine.params, engine.optimizer)
+        undone = (step + 1 - snapshot.step) - (engine.made_up_steps - snapshot.made_up)
+        engine.made_up_steps += undone
+        trainer._hybrid_steps.make_up(undone, schedule)
+        engine.weights_restored()
+        self.reference = None
+        return undone
 
     def state_dict(self) -> dict:
         """For a checkpoint: the statistics and the reference batch. The snapshot stays out (see `snapshot_asked`)."""

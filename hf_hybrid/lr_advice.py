@@ -36,9 +36,12 @@ def lr_too_small(stats: dict, learning_rate: float) -> str | None:
     # A lower bound: at a fifth of the swept LR the jumps measured 1.3x (docs/benchmarks.md, run 66).
     return (f"hf_hybrid: the learning rate looks too small: {kept} of {judged} jumps paid, worth {factor:.2f}x the "
             f"progress of the real steps alone, so it is at least about {factor:.1f}x too small. Sweep upward from "
-            f"--learning_rate {learning_rate * factor:.2g}; a tuned learning rate gains more than the jumps do.")
+            f"--learning_rate {learning_rate * factor:.2g}, or pass --hybrid_lr_autopilot true to let the trainer "
+            "raise it, judged and undone when it does not pay.")
 
 
-def jump_advice(stats: dict, learning_rate: float) -> list[str]:
-    """The lines said at the end of training: what the jumps gained, and whether the learning rate looks too small."""
-    return [line for line in (jump_summary(stats), lr_too_small(stats, learning_rate)) if line is not None]
+def jump_advice(stats: dict, learning_rate: float, autopilot_on: bool = False) -> list[str]:
+    """The lines said at the end of training: what the jumps gained, and whether the learning rate looks too small
+    (unless the autopilot was on: it says what it did to the learning rate itself)."""
+    too_small = None if autopilot_on else lr_too_small(stats, learning_rate)
+    return [line for line in (jump_summary(stats), too_small) if line is not None]

@@ -7,9 +7,11 @@ Wall time would make decisions differ between ranks and between a resumed run an
 benchmark measures the real ratio so the cost can be set to it.
 
 Before a Predict phase, a least-squares line through the recent real-step losses gives the rate at which
-plain training was improving per unit cost. The phase's gain is measured on one probe batch (the phase's
-first batch, which no step trains on) at the weights before and after the predicted deltas: a paired
-difference, free of the batch-to-batch noise that swamps a comparison of different batches' losses.
+plain training was improving per unit cost. The outer predictor measures it better (`use_rate`): the probe's loss at
+the cycle's start and end, per real step of the cycle. The slope of a noisy loss is often flat or rising in low-LR
+fine-tuning, which made kept jumps worth 0 steps exactly where they paid. The phase's gain is measured on one
+probe batch (the phase's first batch, which no step trains on) at the weights before and after the predicted deltas:
+a paired difference, free of the batch-to-batch noise that swamps a comparison of different batches' losses.
 The prediction pays when that gain is at least what plain training would have made for the phase's cost.
 """
 
@@ -66,6 +68,11 @@ class PayoffMeter:
         ys = [y for _, y in self.history]
         self.start_rate = max(-fit_line(xs, ys)[1], 0.0) if len(xs) >= 2 else 0.0
         self.start_clock = self.clock
+
+    def use_rate(self, rate: float) -> None:
+        """Plain training's rate measured on the probe itself (the cycle's start and end, one batch): paired, so
+        it holds where the loss slope over many batches is flat or noise, as in low-LR fine-tuning."""
+        self.start_rate = max(rate, 0.0)
 
     def verdict(self, gain: float) -> bool:
         """`gain`: probe loss before minus after the predicted deltas. True when it beat plain training."""

@@ -33,6 +33,7 @@ from .guard import StepGuard
 from .guard_loop import GuardAtLoop, GuardStoppedError
 from .launch import check_launch_mode
 from .lr_advice import jump_advice
+from .lr_autopilot import LrAutopilot, build_autopilot
 from .memory import EmergencyCheckpointCallback, VramMonitor
 from .predict_step import predict_training_step
 from .step_veto import SaveOnCountedSteps, StepVeto
@@ -82,6 +83,7 @@ class HybridMixin:
         self._hybrid_last_loss: torch.Tensor | None = None
         self._hybrid_steps = StepVeto(self)
         self._guard_loop: GuardAtLoop | None = None
+        self._lr_autopilot: LrAutopilot | None = None
         self._vram = VramMonitor() if self.hybrid_settings.hybrid else None
         if not self.hybrid_settings.hybrid:
             return
@@ -174,6 +176,9 @@ class HybridMixin:
             self._hybrid_steps.make_up(1, self._hybrid_steps.skipped_schedule)
         guard_action = self._guard_loop.end_step(control) if self._guard_loop is not None else None
         next_phase = engine.end_step()
+        if self._lr_autopilot is not None:
+            line, engine.line = engine.line, None
+            self._lr_autopilot.end_step(record.step, line, guard_action)
         if self._hybrid_trace is not None:
             self._hybrid_trace.write({
                 "step": self.state.global_step,
@@ -219,6 +224,7 @@ class HybridMixin:
         saved = self._hybrid_pending_state or {}
         # "guard" is absent from checkpoints written before the guard, or by a run without it.
         self._guard_loop = GuardAtLoop(self, saved.get("guard")) if self.hybrid_settings.hybrid_guard else None
+        self._lr_autopilot = build_autopilot(self, self._guard_loop, saved.get("lr_autopilot"))
         self._hybrid_pending_state = None
         self._hybrid_steps.set_epochs_end(train_dataloader)
         # A resumed run: the Trainer set max_steps from the arguments again.
@@ -229,9 +235,12 @@ class HybridMixin:
     def _hybrid_train_end(self) -> None:
         if self._hybrid is not None:
             self._hybrid.finish()
+            autopilot = self._lr_autopilot
             if self.is_world_process_zero():
-                for line in jump_advice(self.hybrid_stats(), self.args.learning_rate):
-                    logger.warning(line)
+                lines = jump_advice(self.hybrid_stats(), self.args.learning_rate, autopilot_on=autopilot is not None)
+                for line in [*lines, autopilot.summary() if autopilot is not None else None]:
+                    if line is not None:
+                        logger.warning(line)
         if self._hybrid_trace is not None:
             self._hybrid_trace.close()
             self._hybrid_trace = None
@@ -241,7 +250,8 @@ class HybridMixin:
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self._hybrid is not None and not any(k.startswith("eval_") for k in logs):
             guard = self._guard_loop.guard.log_metrics() if self._guard_loop is not None else {}
-            logs = {**logs, **self._hybrid.log_metrics(), **guard}
+            autopilot = self._lr_autopilot.log_metrics() if self._lr_autopilot is not None else {}
+            logs = {**logs, **self._hybrid.log_metrics(), **guard, **autopilot}
             if self._vram is not None:
                 logs.update(self._vram.metrics())
         super().log(logs, start_time)
@@ -257,6 +267,8 @@ class HybridMixin:
             if self._guard_loop is not None:
                 state["guard"] = self._guard_loop.state_dict()
                 self._guard_loop.snapshot_asked = True
+            if self._lr_autopilot is not None:
+                state["lr_autopilot"] = self._lr_autopilot.state_dict()
             sharded = bool(self._hybrid.predictor.shard_groups)
             save_hybrid_state(output_dir, self.args.process_index, state, sharded, self.args.should_save)
 

@@ -122,6 +122,15 @@ def run_arm(arm: str, preset: dict, out_dir: Path, seed: int, hybrid_overrides: 
                 self.updates += 1
                 control.should_evaluate = self.updates % preset["eval_steps"] == 0
 
+    optimizer_cls_and_kwargs = None
+    if arm == "prodigy":
+        # Its README's settings: lr 1.0 under the preset's schedule, with safeguard_warmup since the schedule warms up,
+        # bias correction, and decoupled weight decay from the Trainer's parameter groups.
+        from prodigyopt import Prodigy
+
+        common.update(learning_rate=1.0)
+        optimizer_cls_and_kwargs = (Prodigy, dict(lr=1.0, safeguard_warmup=True, use_bias_correction=True,
+                                                  weight_decay=preset["weight_decay"]))
     if arm in SCHEDULE_FREE_ARMS:
         # The optimizer warms up by itself (the Trainer passes warmup_steps on) and needs no decay: that is its point.
         common.update(optim="schedule_free_adamw", lr_scheduler_type="constant", lr_scheduler_kwargs={})
@@ -136,7 +145,8 @@ def run_arm(arm: str, preset: dict, out_dir: Path, seed: int, hybrid_overrides: 
     if arm == "ema":
         average = WeightAverage(model, EMA_DECAY)
         trainer_cls = averaged(trainer_cls, average)
-    trainer = trainer_cls(model=model, args=args, train_dataset=datasets["train"], eval_dataset=eval_set)
+    trainer = trainer_cls(model=model, args=args, train_dataset=datasets["train"], eval_dataset=eval_set,
+                          optimizer_cls_and_kwargs=optimizer_cls_and_kwargs)
     trainer.remove_callback(PrinterCallback)  # one progress line per evaluation instead of the log dicts
     # Added after construction so they run after the hybrid's own hooks: its per-step work is timed too.
     if hybrid:

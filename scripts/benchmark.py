@@ -102,7 +102,7 @@ def main() -> None:
     swept_lr = PRESETS[args.preset]["learning_rate"]
     lr = args.learning_rate or swept_lr * args.lr_scale
     sf_swept_lr = args.sf_learning_rate or PRESETS[args.preset].get("sf_learning_rate", swept_lr)
-    peer_lrs = {"ema": lr, "sf": lr, "sf-swept": sf_swept_lr, "swept": swept_lr}
+    peer_lrs = {"ema": lr, "sf": lr, "sf-swept": sf_swept_lr, "swept": swept_lr, "prodigy": 1.0}
     peers = {name: [] for name in PEER_ARMS if name in args.arms.split(",")}
     baselines, hybrids = [], []
     for r in range(args.repeats):

@@ -72,6 +72,7 @@ PEER_ARMS = {
     "sf": "schedule-free AdamW",
     "sf-swept": "schedule-free AdamW, swept LR",
     "swept": "Trainer at the swept LR",
+    "prodigy": "Prodigy (no LR: lr 1.0, safeguard_warmup)",
 }
 SCHEDULE_FREE_ARMS = ("sf", "sf-swept")
 

@@ -24,7 +24,7 @@ from .base import Predictor, local_shard
 class OuterMomentumPredictor(Predictor):
     name = "outer"
     # Its schedule is the period (controller_settings), with no Correct step and a one-step jump that is always checked.
-    flags = ("hybrid_outer_period", "hybrid_outer_lr", "hybrid_outer_momentum")
+    flags = ("hybrid_outer_period", "hybrid_outer_lr", "hybrid_outer_momentum", "hybrid_lr_autopilot")
     uses_updates = False
     uses_forecast = False  # the period schedules its jumps and the probe judges them
 
@@ -33,6 +33,7 @@ class OuterMomentumPredictor(Predictor):
         super().__init__(params, optimizer)
         self.period, self.outer_lr, self.momentum = period, outer_lr, momentum
         self.anchor: list[Tensor] | None = None
+        self.cycle_steps = 0  # real updates since the anchor: the displacement weights - anchor is theirs
         self.buf: list[Tensor] = [torch.zeros_like(local_shard(p)) for p in params]
 
     def controller_settings(self) -> dict:
@@ -52,6 +53,8 @@ class OuterMomentumPredictor(Predictor):
     def _observe(self, updates: list[Tensor], lr: float) -> None:
         if self.anchor is None:  # the first real step after a start or a gap anchors the next cycle
             self.set_anchor()
+        else:
+            self.cycle_steps += 1
 
     @torch.no_grad()
     def set_anchor(self) -> None:
@@ -59,6 +62,7 @@ class OuterMomentumPredictor(Predictor):
         if self.anchor is None:
             self.anchor = [torch.empty_like(p) for p in shards]
         torch._foreach_copy_(self.anchor, shards)
+        self.cycle_steps = 0
 
     def restart(self) -> None:
         """After a guard rollback: the next cycle starts at the restored weights, with no momentum. The jumps kept
@@ -97,7 +101,7 @@ class OuterMomentumPredictor(Predictor):
     def state_dict(self) -> dict:
         # Handed over, not cloned: the checkpoint is written at once, and a copy would add 2x the parameters.
         return {**super().state_dict(), "anchor": [t.detach().cpu() for t in self.anchor or []],
-                "buf": [t.detach().cpu() for t in self.buf]}
+                "buf": [t.detach().cpu() for t in self.buf], "cycle_steps": self.cycle_steps}
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
@@ -108,3 +112,4 @@ class OuterMomentumPredictor(Predictor):
             self.anchor = None
         for b, saved in zip(self.buf, state["buf"]):
             b.copy_(saved)
+        self.cycle_steps = state.get("cycle_steps", 0)  # absent from checkpoints written before it was counted

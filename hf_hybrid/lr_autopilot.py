@@ -1,0 +1,129 @@
+"""The learning-rate autopilot at the Trainer's loop: what `LrScale` (lr_scale.py) decides, carried out on the run.
+
+The scale multiplies the schedule's base learning rates, so the Trainer's `LambdaLR` keeps applying its own shape
+(warmup, decay) on top and never overwrites it; the learning rate in effect is rescaled at once. AdamW's decoupled
+weight decay is multiplied by the learning rate, so it scales with it, exactly as it would in a run started with the
+raised `--learning_rate`, which is what the end line tells the user to pass next time.
+
+A raise's undo point is the guard's snapshot (weights, optimizer state, schedule, RNG, in host memory), asked for at
+the first accepted step after the raise and held, with no periodic replacement, until the raise is judged: a trial
+costs no memory beyond the guard's. A checkpoint saved during a trial asks for a new snapshot as always (a resumed run
+takes that one too), so the undo point moves to the save and resumed and uninterrupted runs stay bit for bit equal.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.utils import logging
+
+from .guard_loop import GuardAtLoop
+from .lr_scale import LrScale
+
+logger = logging.get_logger(__name__)
+
+
+def scalable_schedule(trainer) -> bool:
+    """Whether the Trainer's scheduler scales with its base learning rates (a `LambdaLR`: every named schedule but
+    `reduce_lr_on_plateau`)."""
+    scheduler = getattr(trainer.lr_scheduler, "scheduler", trainer.lr_scheduler)
+    return hasattr(scheduler, "base_lrs") and hasattr(scheduler, "lr_lambdas")
+
+
+class LrAutopilot:
+    """The judged learning-rate scale of one run, identical on every rank."""
+
+    def __init__(self, trainer, guard_loop: GuardAtLoop, saved: dict | None) -> None:
+        self.trainer, self.guard_loop = trainer, guard_loop
+        self.scale = LrScale()
+        self.user_base_lrs = list(self._scheduler.base_lrs)
+        if saved is not None:  # the scheduler's own state, loaded with the checkpoint, holds the scaled base LRs
+            self.scale.load_state_dict(saved["scale"])
+            self.user_base_lrs = saved["user_base_lrs"]
+        self.guard_loop.snapshot_held = self.scale.on_trial
+
+    @property
+    def _scheduler(self):
+        return getattr(self.trainer.lr_scheduler, "scheduler", self.trainer.lr_scheduler)
+
+    def _apply(self) -> None:
+        """Base learning rates = the user's x the scale; the learning rate in effect follows at once."""
+        scheduler = self._scheduler
+        for i, group in enumerate(self.trainer.optimizer.param_groups):
+            base = self.user_base_lrs[i] * self.scale.scale
+            lr = float(group["lr"]) * base / scheduler.base_lrs[i] if scheduler.base_lrs[i] else base
+            scheduler.base_lrs[i] = base
+            if isinstance(group["lr"], torch.Tensor):  # a fused or capturable optimizer's device tensor
+                group["lr"].fill_(lr)
+            else:
+                group["lr"] = lr
+        scheduler._last_lr = [float(group["lr"]) for group in self.trainer.optimizer.param_groups]
+
+    def _decayed(self) -> bool:
+        """Whether the schedule is in its final decay: past its warmup, below half its peak."""
+        trainer, scheduler = self.trainer, self._scheduler
+        step = scheduler.last_epoch
+        past_warmup = step > trainer.args.get_warmup_steps(trainer.state.max_steps)
+        return past_warmup and min(f(step) for f in scheduler.lr_lambdas) < 0.5
+
+    def end_step(self, step: int, line: tuple | None, guard_action: str | None) -> None:
+        """At an optimizer step's end: act on a guard rollback, and on a cycle's line of probe losses."""
+        scale, before = self.scale, self.scale.scale
+        if guard_action == "rollback":
+            scale.weights_damaged()
+        if line is not None:
+            decision = scale.cycle(*line, decayed=self._decayed())
+            if decision == "raise":
+                self.guard_loop.snapshot_asked = True  # the undo point: before the first update at the new scale
+            elif decision == "undo":
+                self._undo(step, before)
+        if scale.scale != before:
+            self._apply()
+        self.guard_loop.snapshot_held = scale.on_trial
+
+    def _undo(self, step: int, tried: float) -> None:
+        undone = self.guard_loop.restore_snapshot(step) if self.guard_loop.snapshot.valid else 0
+        if self.trainer.is_world_process_zero():
+            logger.warning(f"hf_hybrid: a learning rate {tried / self.scale.scale:.2g}x higher did not pay over its "
+                           f"cycle; undone ({undone} updates), back to {self.learning_rate:.2g}.")
+
+    @property
+    def learning_rate(self) -> float:
+        return self.user_base_lrs[0] * self.scale.scale
+
+    def summary(self) -> str | None:
+        """The end line: what the autopilot did to the learning rate, and what to pass next time."""
+        s, user = self.scale, self.user_base_lrs[0]
+        tried = f"{s.raises_kept} raises kept, {s.trials_undone} undone"
+        if s.scale != 1.0:
+            return (f"hf_hybrid: raised the learning rate {s.scale:.1f}x: {user:.2g} -> {self.learning_rate:.2g} "
+                    f"({tried}); pass --learning_rate {self.learning_rate:.2g} next time.")
+        if s.trials_undone:
+            return f"hf_hybrid: the learning rate {user:.2g} was kept: {tried}."
+        return None
+
+    def log_metrics(self) -> dict[str, float]:
+        return {"hybrid/lr_scale": float(self.scale.scale)}
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale.state_dict(), "user_base_lrs": list(self.user_base_lrs)}
+
+
+def build_autopilot(trainer, guard_loop: GuardAtLoop | None, saved: dict | None) -> LrAutopilot | None:
+    """The run's autopilot when `--hybrid_lr_autopilot` asks for it and the run has what it needs; otherwise None,
+    with one line saying why."""
+    settings = trainer.hybrid_settings
+    if not (settings.hybrid_lr_autopilot and settings.hybrid_predict):
+        return None
+    missing = [why for why, ok in (
+        ("--hybrid_predictor outer (its cycles are the evidence)", settings.hybrid_predictor == "outer"),
+        ("--hybrid_payoff_check (the probe)", settings.hybrid_payoff_check),
+        ("the guard's snapshots (the undo point): --hybrid_guard and --hybrid_guard_snapshot_steps > 0",
+         guard_loop is not None and settings.hybrid_guard_snapshot_steps > 0),
+        ("a schedule that scales with its base learning rate (not reduce_lr_on_plateau)", scalable_schedule(trainer)),
+    ) if not ok]
+    if missing:
+        if trainer.is_world_process_zero():
+            logger.warning(f"hf_hybrid: the learning-rate autopilot is off for this run: it needs "
+                           f"{'; '.join(missing)}.")
+        return None
+    return LrAutopilot(trainer, guard_loop, saved)
