@@ -8,14 +8,15 @@ cycle's start (the outer anchor A), its end (the weights W) and twice as far (2W
 - `rate`: (f0 - f1) / steps, the probe progress of one real step at the current scale. Paired (one batch, three
   weights), so it does not vanish into batch noise the way a loss slope over many batches does in low-LR fine-tuning.
 - `reach`: where a parabola through the three points bottoms out, in multiples of the cycle's displacement. Steps of
-  the right length end a cycle near the bottom of its own line (reach about 1 or less); a reach of 2 or more says the
-  steps could have gone twice as far, the sign of a learning rate that is too small. Prodigy reads the same thing
-  from how the gradient lines up with the distance travelled; here the probe measures it.
+  the right length end a cycle at or past the bottom of its own line (measured on cpu-finetune: 0.78-0.85 at the swept
+  LR); a reach of `raise_reach` or more (1.32-1.39 there at a fifth of it) says the steps could have gone further, the
+  sign of a learning rate that is too small. Prodigy reads the same thing from how the gradient lines up with the
+  distance travelled; here the probe measures it.
 
-A raise is a trial. When the reach says the steps are too short, the scale is multiplied by the reach (at most
-`max_raise`, and up to `max_scale`) and the trainer takes an undo point. The next cycle judges it: the
-raise is kept when a real step there made at least the progress a step made before it (`rate` against the rate that
-asked for the raise), and otherwise undone bit for bit (weights, optimizer state, schedule back to the undo point,
+A raise is a trial. When the reach says the steps are too short, the scale is multiplied by `max_raise` (up to
+`max_scale`) and the trainer takes an undo point. The next cycle judges it: the raise is kept when its own line does
+not overshoot (reach at least `overshoot_reach`) and a real step still made `keep_share` of the progress a step made
+before it; otherwise it is undone bit for bit (weights, optimizer state, schedule back to the undo point,
 the scale back to what it was). Failed trials back off: the next raise waits 2, 4, ... cycles. Evidence that the
 steps overshoot lowers the scale without a trial, since going back toward the user's LR is the safe direction: a
 reach under `overshoot_reach` while above the user's LR, and a guard rollback (the weights were damaged).
@@ -43,9 +44,12 @@ def reach_of_line(f0: float, f1: float, f2: float) -> float:
 @dataclass
 class LrScale:
     max_scale: float = 10.0
-    max_raise: float = 4.0
-    raise_reach: float = 2.0  # a line whose bottom is at least this far out asks for a raise
-    overshoot_reach: float = 0.5  # one whose bottom is this close says the steps overshoot
+    max_raise: float = 2.0
+    raise_reach: float = 1.2  # a line whose bottom is at least this far out asks for a raise
+    overshoot_reach: float = 0.6  # one whose bottom is this close says the steps overshoot
+    # A raised cycle must keep this share of the per-step progress of the cycle that asked for it: early on, the
+    # progress per step falls fast whatever the LR (measured: 0.074 to 0.041 in two cycles of cpu-finetune).
+    keep_share: float = 0.5
     scale: float = 1.0
     trial_from: float | None = None  # the scale before the raise under trial
     trial_rate: float = 0.0  # the per-step progress that asked for it
@@ -65,7 +69,7 @@ class LrScale:
         self.wait = max(self.wait - 1, 0)
         verdict = None
         if self.trial_from is not None:
-            if rate >= self.trial_rate and rate > 0:
+            if rate > self.keep_share * self.trial_rate and reach >= self.overshoot_reach:
                 verdict, self.failures, self.raises_kept = "keep", 0, self.raises_kept + 1
                 self.trial_from = None
             else:
@@ -77,7 +81,7 @@ class LrScale:
             self.scale = max(self.scale / 2, 1.0)
             self.lowered += 1
             return "lower"
-        factor = min(reach, self.max_raise, self.max_scale / self.scale)
+        factor = min(self.max_raise, self.max_scale / self.scale)
         if reach >= self.raise_reach and rate > 0 and not decayed and not self.wait and factor > 1.0:
             self.trial_from, self.trial_rate = self.scale, rate
             self.scale *= factor

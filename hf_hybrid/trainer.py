@@ -105,7 +105,8 @@ class HybridMixin:
         """Optimizer steps per phase, backward reduction, rollbacks and divergences so far."""
         guard = self._guard_loop.guard if self._guard_loop is not None else StepGuard()
         if self._hybrid is not None:
-            return {**self._hybrid.stats(), **guard.stats()}
+            autopilot = self._lr_autopilot.stats() if self._lr_autopilot is not None else {}
+            return {**self._hybrid.stats(), **guard.stats(), **autopilot}
         return {**HybridEngine.plain_stats(self.state.global_step), **guard.stats()}
 
     # ---- the step ---------------------------------------------------------------------------------

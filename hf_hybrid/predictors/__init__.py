@@ -23,7 +23,7 @@ def build_predictor(settings, params: list[Tensor], optimizer: torch.optim.Optim
         kwargs = {"beta": settings.hybrid_velocity_beta}
     elif name == "outer":
         kwargs = {"period": settings.hybrid_outer_period, "outer_lr": settings.hybrid_outer_lr,
-                  "momentum": settings.hybrid_outer_momentum}
+                  "momentum": settings.hybrid_outer_momentum, "lr_autopilot": settings.hybrid_lr_autopilot}
     return PREDICTORS[name](params, optimizer, **kwargs)
 
 

@@ -29,18 +29,22 @@ class OuterMomentumPredictor(Predictor):
     uses_forecast = False  # the period schedules its jumps and the probe judges them
 
     def __init__(self, params: list[Tensor], optimizer: torch.optim.Optimizer, period: int = 30,
-                 outer_lr: float = 0.6, momentum: float = 0.9) -> None:
+                 outer_lr: float = 0.6, momentum: float = 0.9, lr_autopilot: bool = False) -> None:
         super().__init__(params, optimizer)
         self.period, self.outer_lr, self.momentum = period, outer_lr, momentum
+        self.lr_autopilot = lr_autopilot
         self.anchor: list[Tensor] | None = None
         self.cycle_steps = 0  # real updates since the anchor: the displacement weights - anchor is theirs
         self.buf: list[Tensor] = [torch.zeros_like(local_shard(p)) for p in params]
 
     def controller_settings(self) -> dict:
         """The phase controller's schedule for this predictor: a one-step jump every `period` real steps, judged by
-        its probe alone (the loss-forecast confidence gate is not this predictor's evidence)."""
+        its probe alone (the loss-forecast confidence gate is not this predictor's evidence). With the learning-rate
+        autopilot the first cycle ends after one period, not after the warmup: the warmup is there for the loss
+        forecast, which this predictor does not use, and the autopilot's evidence comes once per cycle."""
+        early = dict(warmup_steps=0) if self.lr_autopilot else {}
         return dict(full_steps=self.period, min_predict_steps=1, max_predict_steps=1, correct_steps=0,
-                    confidence_threshold=0.0, max_consecutive_predicts=1)
+                    confidence_threshold=0.0, max_consecutive_predicts=1, **early)
 
     @property
     def ready(self) -> bool:
