@@ -7,9 +7,10 @@ Wall time would make decisions differ between ranks and between a resumed run an
 benchmark measures the real ratio so the cost can be set to it.
 
 Before a Predict phase, a least-squares line through the recent real-step losses gives the rate at which
-plain training was improving per unit cost. The outer predictor measures it better (`use_rate`): the probe's loss at
-the cycle's start and end, per real step of the cycle. The slope of a noisy loss is often flat or rising in low-LR
-fine-tuning, which made kept jumps worth 0 steps exactly where they paid. The phase's gain is measured on one
+plain training was improving per unit cost. What a kept jump was worth in real steps is counted against a better
+measure where the outer predictor gives one (`use_rate`): the probe's loss at the cycle's start and end, per real step
+of the cycle. The slope of a noisy loss is often flat or rising in low-LR fine-tuning, which made kept jumps worth 0
+steps exactly where they paid. The phase's gain is measured on one
 probe batch (the phase's first batch, which no step trains on) at the weights before and after the predicted deltas:
 a paired difference, free of the batch-to-batch noise that swamps a comparison of different batches' losses.
 The prediction pays when that gain is at least what plain training would have made for the phase's cost.
@@ -49,6 +50,7 @@ class PayoffMeter:
     paid: int = 0
     kept_gain: float = 0.0  # probe loss gained by the jumps that were kept
     kept_worth: float = 0.0  # what those gains would have cost plain training, in real steps
+    probe_rate: float | None = None  # plain training's rate on this jump's probe (`use_rate`), when measured
 
     def tick_real(self, loss: float) -> None:
         self.clock += 1.0
@@ -71,8 +73,9 @@ class PayoffMeter:
 
     def use_rate(self, rate: float) -> None:
         """Plain training's rate measured on the probe itself (the cycle's start and end, one batch): paired, so
-        it holds where the loss slope over many batches is flat or noise, as in low-LR fine-tuning."""
-        self.start_rate = max(rate, 0.0)
+        it holds where the loss slope over many batches is flat or noise, as in low-LR fine-tuning. It counts what
+        a kept jump was worth in steps; the verdict keeps the slope (the rule runs 50-79 measured)."""
+        self.probe_rate = max(rate, 0.0)
 
     def verdict(self, gain: float) -> bool:
         """`gain`: probe loss before minus after the predicted deltas. True when it beat plain training."""
@@ -85,12 +88,13 @@ class PayoffMeter:
         self.paid += int(paid)
         if paid:
             self.kept_gain += gain
-            self.kept_worth += gain / self.start_rate if self.start_rate > 0 else 0.0
-        self.start_clock = None
+            rate = self.probe_rate if self.probe_rate is not None else self.start_rate
+            self.kept_worth += gain / rate if rate > 0 else 0.0
+        self.start_clock, self.probe_rate = None, None
         return paid
 
     def cancel(self) -> None:
-        self.start_clock = None
+        self.start_clock, self.probe_rate = None, None
 
     def state_dict(self) -> dict:
         # Settings come from the flags of the run that resumes, not from the checkpoint.

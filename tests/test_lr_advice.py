@@ -14,7 +14,7 @@ OUTER = dict(hybrid_predictor="outer", hybrid_outer_period=5, hybrid_outer_lr=0.
 
 
 def advice_after_training(tmp_out, learning_rate: float, caplog) -> tuple[dict, str]:
-    trainer = make_trainer(tmp_out, learning_rate=learning_rate, **OUTER)
+    trainer = make_trainer(tmp_out, learning_rate=learning_rate, hybrid_lr_autopilot=False, **OUTER)
     with caplog.at_level(logging.WARNING):
         trainer.train()
     return trainer.hybrid_stats(), caplog.text
@@ -26,7 +26,7 @@ def test_a_too_small_learning_rate_is_named_with_a_factor(tmp_out, caplog):
     assert stats["jump_gain"] > 0 and stats["jump_worth_steps"] > 0.1 * stats["backward_steps"]
     factor = (stats["backward_steps"] + stats["jump_worth_steps"]) / stats["backward_steps"]
     assert f"the learning rate looks too small: {stats['predictions_kept']} of {stats['predictions_judged']}" in log
-    assert f"at least about {factor:.1f}x too small. Sweep upward from --learning_rate {1e-4 * factor:.2g};" in log
+    assert f"at least about {factor:.1f}x too small. Sweep upward from --learning_rate {1e-4 * factor:.2g}, or pass --hybrid_lr_autopilot true" in log
     assert f"{stats['predictions_kept']} of {stats['predictions_judged']} jumps kept" in log
 
 

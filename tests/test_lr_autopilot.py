@@ -33,18 +33,25 @@ def test_the_reach_is_where_the_line_bottoms_out():
 def test_a_raise_is_a_trial_kept_when_its_steps_make_more_progress():
     s = LrScale()
     assert s.cycle(*parabola(3.0), steps=10, decayed=False) == "raise"
-    assert s.scale == pytest.approx(3.0) and s.on_trial
+    assert s.scale == 2.0 and s.on_trial
     rate_before = s.trial_rate
-    f0, f1, f2 = parabola(1.0)  # at the new scale the cycle ends near its line's bottom
-    more = 2 * rate_before * 10 / (f0 - f1)
-    assert s.cycle(f0 * more, f1 * more, f2 * more, steps=10, decayed=False) == "keep"
-    assert s.scale == pytest.approx(3.0) and not s.on_trial and s.raises_kept == 1
+    f0, f1, f2 = parabola(1.0)  # at the new scale the cycle ends at its line's bottom, with 0.6x the progress
+    less = 0.6 * rate_before * 10 / (f0 - f1)
+    assert s.cycle(f0 * less, f1 * less, f2 * less, steps=10, decayed=False) == "keep"
+    assert s.scale == 2.0 and not s.on_trial and s.raises_kept == 1
+
+
+def test_a_raise_whose_line_overshoots_is_undone():
+    s = LrScale()
+    s.cycle(*parabola(3.0), steps=10, decayed=False)
+    f0, f1, f2 = parabola(0.55, depth=100.0)  # plenty of progress, past the line's bottom
+    assert s.cycle(f0, f1, f2, steps=10, decayed=False) == "undo" and s.scale == 1.0
 
 
 def test_a_raise_whose_steps_do_not_pay_is_undone_and_the_next_waits():
     s = LrScale()
     s.cycle(*parabola(3.0, depth=1.0), steps=10, decayed=False)
-    assert s.cycle(*parabola(3.0, depth=0.1), steps=10, decayed=False) == "undo"  # less progress per step
+    assert s.cycle(*parabola(3.0, depth=0.4), steps=10, decayed=False) == "undo"  # 0.4x the progress per step
     assert s.scale == 1.0 and s.trials_undone == 1 and s.wait == 2
     assert s.cycle(*parabola(3.0), steps=10, decayed=False) is None  # backing off
     assert s.cycle(*parabola(3.0), steps=10, decayed=False) == "raise"
@@ -52,10 +59,9 @@ def test_a_raise_whose_steps_do_not_pay_is_undone_and_the_next_waits():
 
 def test_the_scale_is_bounded_frozen_in_the_decay_and_lowered_on_overshoot():
     s = LrScale()
-    assert s.cycle(*parabola(100.0), steps=10, decayed=False) == "raise" and s.scale == 4.0  # max_raise
-    s.trial_from = None
-    s.cycle(*parabola(100.0), steps=10, decayed=False)
-    assert s.scale == 10.0  # max_scale
+    for scale in (2.0, 4.0, 8.0, 10.0):  # max_raise, then max_scale
+        s.trial_from = None
+        assert s.cycle(*parabola(100.0), steps=10, decayed=False) == "raise" and s.scale == scale
     s.trial_from = None
     assert s.cycle(*parabola(100.0), steps=10, decayed=False) is None  # at the bound: no trial of 1x
     fresh = LrScale()
