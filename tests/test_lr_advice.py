@@ -26,7 +26,8 @@ def test_a_too_small_learning_rate_is_named_with_a_factor(tmp_out, caplog):
     assert stats["jump_gain"] > 0 and stats["jump_worth_steps"] > 0.1 * stats["backward_steps"]
     factor = (stats["backward_steps"] + stats["jump_worth_steps"]) / stats["backward_steps"]
     assert f"the learning rate looks too small: {stats['predictions_kept']} of {stats['predictions_judged']}" in log
-    assert f"at least about {factor:.1f}x too small. Sweep upward from --learning_rate {1e-4 * factor:.2g}, or pass --hybrid_lr_autopilot true" in log
+    assert (f"at least about {factor:.1f}x too small. Sweep upward from --learning_rate {1e-4 * factor:.2g}, or pass "
+            "--hybrid_lr_autopilot true") in log
     assert f"{stats['predictions_kept']} of {stats['predictions_judged']} jumps kept" in log
 
 

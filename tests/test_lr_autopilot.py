@@ -1,4 +1,5 @@
-"""The learning-rate autopilot: a judged, reversible multiplier on the user's schedule (lr_scale.py, lr_autopilot.py)."""
+"""The learning-rate autopilot: a judged, reversible multiplier on the user's schedule (lr_scale.py,
+lr_autopilot.py)."""
 
 from __future__ import annotations
 
