@@ -117,10 +117,10 @@ def build_autopilot(trainer, guard_loop: GuardAtLoop | None, saved: dict | None)
     """The run's autopilot when `--hybrid_lr_autopilot` asks for it and the run has what it needs; otherwise None,
     with one line saying why."""
     settings = trainer.hybrid_settings
-    if not (settings.hybrid_lr_autopilot and settings.hybrid_predict):
+    # Another predictor has no cycles to read: the flag is the outer predictor's (config.ignored_flags says so).
+    if not (settings.hybrid_lr_autopilot and settings.hybrid_predict and settings.hybrid_predictor == "outer"):
         return None
     missing = [why for why, ok in (
-        ("--hybrid_predictor outer (its cycles are the evidence)", settings.hybrid_predictor == "outer"),
         ("--hybrid_payoff_check (the probe)", settings.hybrid_payoff_check),
         ("the guard's snapshots (the undo point): --hybrid_guard and --hybrid_guard_snapshot_steps > 0",
          guard_loop is not None and settings.hybrid_guard_snapshot_steps > 0),

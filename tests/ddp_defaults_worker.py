@@ -27,7 +27,9 @@ def main(out_dir: str, resume_from: str | None) -> None:
     # Every other verdict rejects its jump, in the same order on both ranks (and in a resumed run, from its count).
     original = PayoffMeter.verdict
     PayoffMeter.verdict = lambda self, gain: original(self, gain if self.verdicts % 2 else float("-inf"))
-    args = hybrid_args(out_dir, max_steps=40, per_device_train_batch_size=4, **{**GUARD, **DEFAULTS})
+    # A fifth of GUARD's learning rate, so that the learning-rate autopilot raises it too.
+    args = hybrid_args(out_dir, max_steps=40, per_device_train_batch_size=4,
+                       **{**GUARD, **DEFAULTS, "learning_rate": GUARD.get("learning_rate", 3e-3) / 5})
     rank = args.process_index
     plan = FaultPlan(nan_step=34 if rank == 1 else None)
     trainer = with_faults(HybridHFTrainer, plan)(model=tiny_gpt2(seed=7 if resume_from else 0), args=args,
@@ -41,6 +43,7 @@ def main(out_dir: str, resume_from: str | None) -> None:
     events = [[r["step"], r["phase"], r["rollback"], r["guard"]] for r in rows
               if r["rollback"] or r["guard"] or r["phase"] == "predict"]
     result = {"world_size": args.world_size, "hashes": recorder.hashes, "stats": trainer.hybrid_stats(),
+              "lr_autopilot": trainer._lr_autopilot.state_dict(),
               "events": events}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     trainer.accelerator.end_training()
