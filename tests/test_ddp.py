@@ -41,10 +41,10 @@ def test_two_process_ddp_ranks_take_the_same_guard_decisions(tmp_path):
 
 
 def test_the_defaults_on_two_ranks_keep_them_identical_and_resume_exactly(tmp_path):
-    """The outer predictor, the learning-rate autopilot and the guard: a raise tried, jumps kept and rolled back, a guard skip (rank 1's NaN) and a guard rollback
-    (a spike on both), ranks identical after every step; one copy of the parameter-sized state per checkpoint; a
-    two-rank resume from a checkpoint between the guard's rollback and its skip ends bit for bit where the
-    uninterrupted run ends."""
+    """The outer predictor, the learning-rate autopilot and the guard: a raise tried, jumps kept and rolled back, a
+    guard skip (rank 1's NaN) and a guard rollback (a spike on both), ranks identical after every step; one copy of the
+    parameter-sized state per checkpoint; a two-rank resume from a checkpoint between the guard's rollback and its
+    skip ends bit for bit where the uninterrupted run ends."""
     full = launch_two_ranks("ddp_defaults_worker.py", tmp_path / "full")
     assert full[0]["stats"] == full[1]["stats"] and full[0]["hashes"] == full[1]["hashes"]
     stats, events = full[0]["stats"], full[0]["events"]
