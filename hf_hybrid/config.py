@@ -65,8 +65,9 @@ class HybridTrainingArguments(TrainingArguments):
             Let the `outer` predictor's cycles raise the learning rate when they show the steps are too short: one
             multiplier on the whole schedule (logged as `hybrid/lr_scale`), up to 10x, never below the user's. Each
             raise is judged over the next cycle and undone bit for bit (to the guard's snapshot) when its steps do not
-            make more progress than the steps before; no raise in the schedule's final decay. Needs the guard and the
-            payoff check. `False` keeps `--learning_rate` exactly.
+            keep half the progress per step of the steps before or overshoot their own line; no raise in the schedule's
+            final decay. Its first cycle ends after one period (no `hybrid_warmup_steps`). Needs the guard's snapshots
+            and the payoff check. `False` keeps `--learning_rate` exactly.
         hybrid_monitor_interval (`int`, defaults to `1`):
             Run a forward pass to check the loss on every N-th predicted step (and always on a phase's last);
             skipped steps cost almost nothing but are unchecked until the next check.
