@@ -121,7 +121,6 @@ def run_speed(preset: dict, seed: int, out: Path, progress) -> dict:
     times = {arm: time_to(r["evals"], target) for arm, r in arms.items()}
     speedup = times["baseline"] / times["hybrid"] if times["hybrid"] else None
     report = {"seed": seed, "learning_rate": lr, "swept_learning_rate": preset["learning_rate"], "target": target,
-              "hybrid_warmup": preset["hybrid"].get("hybrid_warmup_steps", 100),
               "time_to_target": times, "speedup": speedup, "arms": arms}
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(report, indent=2))
@@ -158,14 +157,18 @@ def summary(faults_report: dict, speed: dict, swept: dict | None, out: Path, sec
         f"{guard['guard_rollbacks']} rolled back to a snapshot",
         "",
         f"SPEED   the LR a user runs without a sweep: {speed['learning_rate']:.2g}, 1/5 of the swept "
-        f"{speed['swept_learning_rate']:.2g}; the hybrid with its defaults, Warmup {speed['hybrid_warmup']} steps",
+        f"{speed['swept_learning_rate']:.2g}; the hybrid with its defaults (the LR autopilot on)",
         f"  time to the Trainer's final eval loss ({speed['target']:.3f}): Trainer {times['baseline']:.1f} s, "
         f"HybridHFTrainer (outer momentum) " + ("-" if times["hybrid"] is None else f"{times['hybrid']:.1f} s")
         + f": {result}",
         f"  {stats['predictions_kept']} of {stats['predictions_judged']} jumps kept, worth about "
         f"{stats['jump_worth_steps']:.0f} real steps",
     ]
-    advice = lr_too_small(stats, speed["learning_rate"])
+    if "lr_scale" in stats:
+        raised = speed["learning_rate"] * stats["lr_scale"]
+        lines.append(f"  LR autopilot: {speed['learning_rate']:.2g} -> {raised:.2g} ({stats['lr_scale']:.1f}x; "
+                     f"{stats['lr_raises_kept']} raises kept, {stats['lr_trials_undone']} undone)")
+    advice = None if "lr_scale" in stats else lr_too_small(stats, speed["learning_rate"])
     if advice is not None:
         lines.append("  " + advice.removeprefix("hf_hybrid: "))
     if swept is not None:
