@@ -241,6 +241,19 @@ def ignored_flags(settings) -> list[str]:
     return [f.name for f in HYBRID_FIELDS if f.name in others and getattr(settings, f.name) != f.default]
 
 
+def lr_autopilot_missing(settings) -> list[str] | None:
+    """What the learning-rate autopilot asked for by the flags lacks to run: None when it is not asked for (off, or
+    another predictor, which has no cycles to read), else the list (empty: it runs)."""
+    if not (settings.hybrid and settings.hybrid_lr_autopilot and settings.hybrid_predict
+            and settings.hybrid_predictor == "outer"):
+        return None
+    return [why for why, ok in (
+        ("--hybrid_payoff_check (the probe)", settings.hybrid_payoff_check),
+        ("the guard's snapshots (the undo point): --hybrid_guard and --hybrid_guard_snapshot_steps > 0",
+         settings.hybrid_guard and settings.hybrid_guard_snapshot_steps > 0),
+    ) if not ok]
+
+
 def hybrid_settings(args: TrainingArguments) -> HybridTrainingArguments | SimpleNamespace:
     """The hybrid settings of `args`: its own fields, or the defaults for a plain `TrainingArguments`."""
     if isinstance(args, HybridTrainingArguments):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from transformers.utils import logging
 
+from .config import lr_autopilot_missing
 from .guard_loop import GuardAtLoop
 from .lr_scale import LrScale
 
@@ -116,16 +117,11 @@ class LrAutopilot:
 def build_autopilot(trainer, guard_loop: GuardAtLoop | None, saved: dict | None) -> LrAutopilot | None:
     """The run's autopilot when `--hybrid_lr_autopilot` asks for it and the run has what it needs; otherwise None,
     with one line saying why."""
-    settings = trainer.hybrid_settings
-    # Another predictor has no cycles to read: the flag is the outer predictor's (config.ignored_flags says so).
-    if not (settings.hybrid_lr_autopilot and settings.hybrid_predict and settings.hybrid_predictor == "outer"):
+    missing = lr_autopilot_missing(trainer.hybrid_settings)
+    if missing is None:
         return None
-    missing = [why for why, ok in (
-        ("--hybrid_payoff_check (the probe)", settings.hybrid_payoff_check),
-        ("the guard's snapshots (the undo point): --hybrid_guard and --hybrid_guard_snapshot_steps > 0",
-         guard_loop is not None and settings.hybrid_guard_snapshot_steps > 0),
-        ("a schedule that scales with its base learning rate (not reduce_lr_on_plateau)", scalable_schedule(trainer)),
-    ) if not ok]
+    if not scalable_schedule(trainer):
+        missing.append("a schedule that scales with its base learning rate (not reduce_lr_on_plateau)")
     if missing:
         if trainer.is_world_process_zero():
             logger.warning(f"hf_hybrid: the learning-rate autopilot is off for this run: it needs "

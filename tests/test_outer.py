@@ -137,10 +137,13 @@ def test_a_one_step_jump_is_charged_the_forwards_it_runs(tmp_out, accumulation):
     jumps = [(calls, charged) for phase, calls, charged in counter.rows if phase is Phase.PREDICT]
     assert len(jumps) >= 2
     # One micro-batch: the probe before the jump and after it, which is also the step's loss check. With accumulation:
-    # the probe twice and the step's micro-batches. Each micro-batch forward is charged its share of a step's.
+    # the probe twice and the step's micro-batches. Each micro-batch forward is charged its share of a step's. The
+    # probe's line (at the cycle's start, and for the LR autopilot at twice its displacement) is paid whatever the
+    # verdict, so it is not charged to the jump.
     forwards = 2 if accumulation == 1 else accumulation + 2
+    line = 2 if trainer._lr_autopilot is not None else 1
     per_forward = trainer._hybrid.payoff.forward_cost / accumulation
-    assert all(calls == forwards and abs(charged - forwards * per_forward) < 1e-9 for calls, charged in jumps)
+    assert all(calls == forwards + line and abs(charged - forwards * per_forward) < 1e-9 for calls, charged in jumps)
     assert all(calls == accumulation and abs(charged - 1.0) < 1e-9
                for phase, calls, charged in counter.rows if phase is not Phase.PREDICT)
     assert trainer.hybrid_stats()["predictions_judged"] == len(jumps)
