@@ -48,7 +48,8 @@ class JumpLifecycle:
     def set_line(self, start_loss: float, far_loss: float | None) -> None:
         """The probe's loss at the outer cycle's start (its anchor) and, for the learning-rate autopilot, at twice
         the cycle's displacement: with the probe loss at its end, a line of three paired points (lr_scale.py). The
-        cycle's progress per real step is plain training's rate, measured on the probe itself, for the verdict."""
+        cycle's progress per real step is plain training's rate, measured on the probe itself: what a kept jump is
+        worth in steps is counted against it (payoff.use_rate)."""
         steps = self.predictor.cycle_steps
         # Not charged to the jump: these forwards are paid whatever its verdict.
         if steps:

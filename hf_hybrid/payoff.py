@@ -10,9 +10,9 @@ Before a Predict phase, a least-squares line through the recent real-step losses
 plain training was improving per unit cost. What a kept jump was worth in real steps is counted against a better
 measure where the outer predictor gives one (`use_rate`): the probe's loss at the cycle's start and end, per real step
 of the cycle. The slope of a noisy loss is often flat or rising in low-LR fine-tuning, which made kept jumps worth 0
-steps exactly where they paid. The phase's gain is measured on one
-probe batch (the phase's first batch, which no step trains on) at the weights before and after the predicted deltas:
-a paired difference, free of the batch-to-batch noise that swamps a comparison of different batches' losses.
+steps exactly where they paid. The phase's gain is measured on one probe batch (the phase's first batch, which no
+step trains on) at the weights before and after the predicted deltas: a paired difference, free of the batch-to-batch
+noise that swamps a comparison of different batches' losses.
 The prediction pays when that gain is at least what plain training would have made for the phase's cost.
 """
 
