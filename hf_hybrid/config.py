@@ -62,12 +62,12 @@ class HybridTrainingArguments(TrainingArguments):
         hybrid_outer_momentum (`float`, defaults to `0.9`):
             Nesterov momentum of the `outer` predictor, in [0, 1).
         hybrid_lr_autopilot (`bool`, defaults to `True`):
-            Let the `outer` predictor's cycles raise the learning rate when they show the steps are too short: one
-            multiplier on the whole schedule (logged as `hybrid/lr_scale`), up to 10x, never below the user's. Each
-            raise is judged over the next cycle and undone bit for bit (to the guard's snapshot) when its steps do not
-            keep half the progress per step of the steps before or overshoot their own line; no raise in the schedule's
-            final decay. Its first cycle ends after one period (no `hybrid_warmup_steps`). Needs the guard's snapshots
-            and the payoff check. `False` keeps `--learning_rate` exactly.
+            Raise the learning rate when a probe along the optimizer's next step (every 10 real steps, three
+            forwards) shows the steps are too short: one multiplier on the whole schedule (logged as
+            `hybrid/lr_scale`), 2x at a time, up to 10x, never below the user's. Each raise is judged at the next
+            reading and undone bit for bit (to the guard's snapshot) when its steps do not keep half the progress
+            per step of the steps before; no raise in the schedule's final decay. Needs the guard's snapshots and an
+            Adam-family optimizer. `False` keeps `--learning_rate` exactly.
         hybrid_monitor_interval (`int`, defaults to `1`):
             Run a forward pass to check the loss on every N-th predicted step (and always on a phase's last);
             skipped steps cost almost nothing but are unchecked until the next check.
@@ -146,7 +146,7 @@ class HybridTrainingArguments(TrainingArguments):
         default=0.9, metadata={"help": "Nesterov momentum of the outer predictor, in [0, 1)."}
     )
     hybrid_lr_autopilot: bool = field(
-        default=True, metadata={"help": "Raise the learning rate when outer cycles show it is too small (judged)."}
+        default=True, metadata={"help": "Raise the learning rate when probes show it is too small (judged, undone)."}
     )
     hybrid_monitor_interval: int = field(
         default=1, metadata={"help": "Check the loss with a forward pass on every N-th predicted step."}
@@ -242,16 +242,13 @@ def ignored_flags(settings) -> list[str]:
 
 
 def lr_autopilot_missing(settings) -> list[str] | None:
-    """What the learning-rate autopilot asked for by the flags lacks to run: None when it is not asked for (off, or
-    another predictor, which has no cycles to read), else the list (empty: it runs)."""
-    if not (settings.hybrid and settings.hybrid_lr_autopilot and settings.hybrid_predict
-            and settings.hybrid_predictor == "outer"):
+    """What the learning-rate autopilot asked for by the flags lacks to run: None when it is not asked for, else the
+    list (empty: it runs)."""
+    if not (settings.hybrid and settings.hybrid_lr_autopilot):
         return None
-    return [why for why, ok in (
-        ("--hybrid_payoff_check (the probe)", settings.hybrid_payoff_check),
-        ("the guard's snapshots (the undo point): --hybrid_guard and --hybrid_guard_snapshot_steps > 0",
-         settings.hybrid_guard and settings.hybrid_guard_snapshot_steps > 0),
-    ) if not ok]
+    snapshots = settings.hybrid_guard and settings.hybrid_guard_snapshot_steps > 0
+    return [] if snapshots else ["the guard's snapshots (the undo point): --hybrid_guard and "
+                                 "--hybrid_guard_snapshot_steps > 0"]
 
 
 def hybrid_settings(args: TrainingArguments) -> HybridTrainingArguments | SimpleNamespace:

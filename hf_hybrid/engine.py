@@ -76,7 +76,6 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
         self.band: tuple[list[float], list[float]] = ([], [])
         self.probe: dict | None = None  # the first batch of the Predict phase, never trained on
         self.probe_loss: float | None = None  # its loss before the phase's first delta
-        self.line: tuple | None = None  # the outer cycle's line of probe losses, for the autopilot (jump.set_line)
         self.record: StepRecord | None = None  # the optimizer step under way
         self.last_record: StepRecord | None = None
         self.jump_start_step: int | None = None  # the global step at which the open jump began

@@ -45,16 +45,14 @@ class JumpLifecycle:
         self.probe, self.probe_loss = inputs, loss
         self.payoff.tick_probe()
 
-    def set_line(self, start_loss: float, far_loss: float | None) -> None:
-        """The probe's loss at the outer cycle's start (its anchor) and, for the learning-rate autopilot, at twice
-        the cycle's displacement: with the probe loss at its end, a line of three paired points (lr_scale.py). The
-        cycle's progress per real step is plain training's rate, measured on the probe itself: what a kept jump is
-        worth in steps is counted against it (payoff.use_rate)."""
+    def set_cycle_start(self, start_loss: float) -> None:
+        """The probe's loss at the outer cycle's start (its anchor): with its loss at the cycle's end, the cycle's
+        progress per real step is plain training's rate, measured on the probe itself. What a kept jump is worth in
+        steps is counted against it (payoff.use_rate)."""
         steps = self.predictor.cycle_steps
-        # Not charged to the jump: these forwards are paid whatever its verdict.
+        # Not charged to the jump: this forward is paid whatever its verdict.
         if steps:
             self.payoff.use_rate((start_loss - self.probe_loss) / steps)
-        self.line = (start_loss, self.probe_loss, far_loss, steps) if far_loss is not None else None
 
     def judge_probe(self, loss_after: float, forward_run: bool = True) -> None:
         """At the end of a Predict phase: keep the jump only if its probe gain beat plain training's.

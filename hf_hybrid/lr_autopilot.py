@@ -19,8 +19,13 @@ from transformers.utils import logging
 from .config import lr_autopilot_missing
 from .guard_loop import GuardAtLoop
 from .lr_scale import LrScale
+from .step_line import SPACING, adam_family, next_step_line
 
 logger = logging.get_logger(__name__)
+
+# Real steps between two readings: three forwards each, about 3% of plain training's compute (a forward is a third of
+# a step), for a reading early enough to raise in the first tens of steps, where a too-small LR costs the most.
+READ_EVERY = 10
 
 
 def scalable_schedule(trainer) -> bool:
@@ -37,10 +42,22 @@ class LrAutopilot:
         self.trainer, self.guard_loop = trainer, guard_loop
         self.scale = LrScale()
         self.user_base_lrs = list(self._scheduler.base_lrs)
+        self.probe: dict | None = None  # the run's first micro-batch, read at every reading
+        self.last_reading = 0  # the global step of the last reading
+        self.last_line: tuple[float, float, float] | None = None  # for the step trace
         if saved is not None:  # the scheduler's own state, loaded with the checkpoint, holds the scaled base LRs
             self.scale.load_state_dict(saved["scale"])
-            self.user_base_lrs = saved["user_base_lrs"]
+            self.user_base_lrs, self.last_reading = saved["user_base_lrs"], saved["last_reading"]
+            device = trainer.args.device
+            self.probe = {k: v.to(device) for k, v in saved["probe"].items()} if saved["probe"] is not None else None
         self.guard_loop.snapshot_held = self.scale.on_trial
+
+    def take_probe(self, inputs: dict) -> None:
+        """Keep the run's first micro-batch as the probe. Trained on once, at the first step, which later readings
+        no longer see; a batch never trained on would have to be held out of the user's data."""
+        if self.probe is None:
+            self.probe = {k: v.detach().clone() for k, v in self.trainer._prepare_inputs(inputs).items()
+                          if isinstance(v, torch.Tensor)}
 
     @property
     def _scheduler(self):
@@ -59,20 +76,35 @@ class LrAutopilot:
                 group["lr"] = lr
         scheduler._last_lr = [float(group["lr"]) for group in self.trainer.optimizer.param_groups]
 
+    def _schedule_factor(self) -> float:
+        scheduler = self._scheduler
+        return min(f(scheduler.last_epoch) for f in scheduler.lr_lambdas)
+
     def _decayed(self) -> bool:
         """Whether the schedule is in its final decay: past its warmup, below half its peak."""
-        trainer, scheduler = self.trainer, self._scheduler
-        step = scheduler.last_epoch
-        past_warmup = step > trainer.args.get_warmup_steps(trainer.state.max_steps)
-        return past_warmup and min(f(step) for f in scheduler.lr_lambdas) < 0.5
+        trainer = self.trainer
+        past_warmup = self._scheduler.last_epoch > trainer.args.get_warmup_steps(trainer.state.max_steps)
+        return past_warmup and self._schedule_factor() < 0.5
 
-    def end_step(self, step: int, line: tuple | None, guard_action: str | None) -> None:
-        """At an optimizer step's end: act on a guard rollback, and on a cycle's line of probe losses."""
+    def _wants_reading(self, step: int, real_step: bool) -> bool:
+        engine = self.trainer._hybrid
+        due = step - self.last_reading >= READ_EVERY and self.probe is not None
+        idle = real_step and not engine.snapshot.valid  # the jump's undo buffer is free
+        return due and idle and self.scale.wants_readings and (self.scale.on_trial or not self._decayed())
+
+    def end_step(self, step: int, real_step: bool, guard_action: str | None) -> None:
+        """At an optimizer step's end: act on a guard rollback, and every few real steps read the next step's line."""
         scale, before = self.scale, self.scale.scale
+        self.last_line = None
         if guard_action == "rollback":
             scale.weights_damaged()
-        if line is not None:
-            decision = scale.cycle(*line, decayed=self._decayed())
+        elif self._wants_reading(step, real_step):
+            trainer = self.trainer
+            line = trainer._hybrid_reduce(*next_step_line(trainer, trainer.model_wrapped, trainer._hybrid, self.probe))
+            self.last_line = tuple(line)
+            decision = scale.reading(*line, spacing=SPACING, steps=step - self.last_reading,
+                                     schedule_factor=self._schedule_factor(), decayed=self._decayed())
+            self.last_reading = step
             if decision == "raise":
                 self.guard_loop.snapshot_asked = True  # the undo point: before the first update at the new scale
             elif decision == "undo":
@@ -111,7 +143,9 @@ class LrAutopilot:
         return {"hybrid/lr_scale": float(self.scale.scale)}
 
     def state_dict(self) -> dict:
-        return {"scale": self.scale.state_dict(), "user_base_lrs": list(self.user_base_lrs)}
+        probe = {k: v.detach().cpu() for k, v in self.probe.items()} if self.probe is not None else None
+        return {"scale": self.scale.state_dict(), "user_base_lrs": list(self.user_base_lrs),
+                "last_reading": self.last_reading, "probe": probe}
 
 
 def build_autopilot(trainer, guard_loop: GuardAtLoop | None, saved: dict | None) -> LrAutopilot | None:
@@ -122,6 +156,8 @@ def build_autopilot(trainer, guard_loop: GuardAtLoop | None, saved: dict | None)
         return None
     if not scalable_schedule(trainer):
         missing.append("a schedule that scales with its base learning rate (not reduce_lr_on_plateau)")
+    if not adam_family(trainer.optimizer):
+        missing.append("an Adam-family optimizer, whose next step it reads (step_line.py)")
     if missing:
         if trainer.is_world_process_zero():
             logger.warning(f"hf_hybrid: the learning-rate autopilot is off for this run: it needs "

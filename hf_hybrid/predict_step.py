@@ -28,7 +28,7 @@ def predict_training_step(trainer: Trainer, model: torch.nn.Module, inputs: dict
             probe = trainer._prepare_inputs(inputs)
             engine.set_probe(probe, trainer._hybrid_reduce(probe_loss(trainer, model, probe, probe_items))[0])
             if getattr(engine.predictor, "cycle_steps", None) is not None:
-                engine.set_line(*probe_line(trainer, model, engine, probe_items, far=trainer._lr_autopilot is not None))
+                engine.set_cycle_start(anchor_loss(trainer, model, engine, probe_items))
         engine.apply_prediction(trainer._hybrid_lr())
     if probe_is_the_step and engine.probe is not None:
         loss = trainer._hybrid_last_loss = probe_loss(trainer, model, engine.probe, probe_items)
@@ -50,22 +50,14 @@ def predict_training_step(trainer: Trainer, model: torch.nn.Module, inputs: dict
 
 
 @torch.no_grad()
-def probe_line(trainer: Trainer, model: torch.nn.Module, engine, probe_items: torch.Tensor | int | None,
-               far: bool) -> tuple[float, float | None]:
-    """The probe's loss at the outer cycle's start (the anchor A) and, with `far`, at twice its displacement
-    (2W - A, W the weights now). Two in-place moves of the weights and one forward each; the weights come back bit for
-    bit from the jump's undo copy, taken at the step's start."""
-    shards, anchor = engine._shards(), engine.predictor.anchor
-    losses = []
-    if far:
-        torch._foreach_mul_(shards, 2.0)
-        torch._foreach_sub_(shards, anchor)
-        losses.append(probe_loss(trainer, model, engine.probe, probe_items))
-    torch._foreach_copy_(shards, anchor)
-    losses.insert(0, probe_loss(trainer, model, engine.probe, probe_items))
+def anchor_loss(trainer: Trainer, model: torch.nn.Module, engine, probe_items: torch.Tensor | int | None) -> float:
+    """The probe's loss at the outer cycle's start (the anchor A): one in-place move of the weights and one forward;
+    the weights come back bit for bit from the jump's undo copy, taken at the step's start."""
+    shards = engine._shards()
+    torch._foreach_copy_(shards, engine.predictor.anchor)
+    loss = probe_loss(trainer, model, engine.probe, probe_items)
     engine.snapshot.restore(shards)
-    values = trainer._hybrid_reduce(*losses)
-    return values[0], values[1] if far else None
+    return trainer._hybrid_reduce(loss)[0]
 
 
 def _micro_batch_loss(trainer: Trainer, model: torch.nn.Module, inputs: dict,

@@ -1,5 +1,6 @@
 """The step trace: one JSON line per optimizer step in `<output_dir>/hybrid_trace.jsonl` (phase, loss, time,
-confidence, prediction error, rollback, guard action), which `scripts/plot.py` draws."""
+confidence, prediction error, rollback, guard action, learning rate, and at an outer cycle's end the learning-rate
+autopilot's probe line), which `scripts/plot.py` draws."""
 
 from __future__ import annotations
 

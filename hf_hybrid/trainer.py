@@ -128,6 +128,8 @@ class HybridMixin:
         if engine.phase is not Phase.PREDICT:
             if self._guard_loop is not None:
                 self._guard_loop.add_micro_batch(inputs, first_micro_batch)
+            if self._lr_autopilot is not None:
+                self._lr_autopilot.take_probe(inputs)
             loss = super().training_step(model, inputs, num_items_in_batch)
             self._hybrid_window_loss += loss.detach().float()
             return loss
@@ -177,9 +179,10 @@ class HybridMixin:
             self._hybrid_steps.make_up(1, self._hybrid_steps.skipped_schedule)
         guard_action = self._guard_loop.end_step(control) if self._guard_loop is not None else None
         next_phase = engine.end_step()
-        if self._lr_autopilot is not None:
-            line, engine.line = engine.line, None
-            self._lr_autopilot.end_step(record.step, line, guard_action)
+        autopilot = self._lr_autopilot
+        if autopilot is not None:
+            real_step = record.phase.has_backward and not (record.skipped or record.rollback)
+            autopilot.end_step(record.step, real_step, guard_action)
         if self._hybrid_trace is not None:
             self._hybrid_trace.write({
                 "step": self.state.global_step,
@@ -190,6 +193,8 @@ class HybridMixin:
                 "prediction_error": engine.predictor.last_residual,
                 "rollback": record.rollback,
                 "guard": guard_action,
+                "probe_line": autopilot.last_line if autopilot is not None else None,
+                "lr": self._hybrid_lr(),
             })
         self._hybrid_steps.show_phase(next_phase.value)
 

@@ -11,72 +11,75 @@ import torch
 from transformers import TrainerCallback
 
 from hf_hybrid import HybridHFTrainer
+from hf_hybrid.forward_checks import probe_loss
 from hf_hybrid.lr_scale import LrScale, reach_of_line
+from hf_hybrid.step_line import SPACING, next_step_line
 
 from .conftest import hybrid_args, make_trainer, tiny_gpt2, token_dataset
 from .test_equivalence_resume import assert_bit_identical, state
 from .test_lr_advice import OUTER
 
 
-def parabola(bottom: float, depth: float = 1.0) -> tuple[float, float, float]:
-    """Probe losses at 0, 1, 2 of a parabola whose minimum is at `bottom`."""
-    return tuple(depth * (c - bottom) ** 2 for c in (0.0, 1.0, 2.0))
+def read(s: LrScale, loss: float, bottom: float, steps: int = 10, schedule_factor: float = 1.0,
+         decayed: bool = False) -> str | None:
+    """A reading whose probe loss at the weights is `loss` and whose line along the next step bottoms out `bottom`
+    steps out."""
+    u = bottom / SPACING  # the bottom in units of the line's spacing
+    f0, f1, f2 = (loss + 0.01 * ((x - u) ** 2 - u**2) for x in (0.0, 1.0, 2.0))
+    return s.reading(f0, f1, f2, spacing=SPACING, steps=steps, schedule_factor=schedule_factor, decayed=decayed)
 
 
 def test_the_reach_is_where_the_line_bottoms_out():
-    assert reach_of_line(*parabola(3.0)) == pytest.approx(3.0)
-    assert reach_of_line(*parabola(0.8)) == pytest.approx(0.8)
+    assert reach_of_line(9.0, 4.0, 1.0) == pytest.approx(3.0)
+    assert reach_of_line(0.64, 0.04, 1.44) == pytest.approx(0.8)
     assert reach_of_line(3.0, 2.0, 1.0) == math.inf  # still falling, no curvature
     assert reach_of_line(1.0, 1.5, 3.0) == 0.0  # rose from the start
     assert reach_of_line(1.0, float("nan"), 0.5) == 0.0
 
 
-def test_a_raise_is_a_trial_kept_when_its_steps_make_more_progress():
+def test_a_raise_needs_a_long_line_and_progress_and_is_kept_when_its_steps_still_pay():
     s = LrScale()
-    assert s.cycle(*parabola(3.0), steps=10, decayed=False) == "raise"
-    assert s.scale == 2.0 and s.on_trial
-    rate_before = s.trial_rate
-    f0, f1, f2 = parabola(1.0)  # at the new scale the cycle ends at its line's bottom, with 0.6x the progress
-    less = 0.6 * rate_before * 10 / (f0 - f1)
-    assert s.cycle(f0 * less, f1 * less, f2 * less, steps=10, decayed=False) == "keep"
-    assert s.scale == 2.0 and not s.on_trial and s.raises_kept == 1
-
-
-def test_a_raise_whose_line_overshoots_is_undone():
-    s = LrScale()
-    s.cycle(*parabola(3.0), steps=10, decayed=False)
-    f0, f1, f2 = parabola(0.55, depth=100.0)  # plenty of progress, past the line's bottom
-    assert s.cycle(f0, f1, f2, steps=10, decayed=False) == "undo" and s.scale == 1.0
+    assert read(s, 5.0, bottom=12.0) is None  # the first reading has no progress to compare
+    assert read(s, 4.9, bottom=2.0) is None  # a short line: the steps are long enough
+    assert read(s, 4.8, bottom=6.0) == "raise"  # aimed at a bottom 2 steps out: 3x
+    assert s.scale == pytest.approx(3.0) and s.on_trial and s.trial_rate == pytest.approx(0.01)
+    assert read(s, 4.74, bottom=2.0) == "keep"  # 0.6x the progress per step: kept
+    assert s.scale == pytest.approx(3.0) and not s.on_trial and s.raises_kept == 1
+    assert read(s, 4.7, bottom=40.0) == "raise" and s.scale == pytest.approx(10.0)  # 4x at most, 10x in all
 
 
 def test_a_raise_whose_steps_do_not_pay_is_undone_and_the_next_waits():
     s = LrScale()
-    s.cycle(*parabola(3.0, depth=1.0), steps=10, decayed=False)
-    assert s.cycle(*parabola(3.0, depth=0.4), steps=10, decayed=False) == "undo"  # 0.4x the progress per step
+    read(s, 5.0, bottom=12.0)
+    assert read(s, 4.9, bottom=12.0) == "raise"
+    assert read(s, 4.86, bottom=12.0) == "undo"  # 0.4x the progress per step
     assert s.scale == 1.0 and s.trials_undone == 1 and s.wait == 2
-    assert s.cycle(*parabola(3.0), steps=10, decayed=False) is None  # backing off
-    assert s.cycle(*parabola(3.0), steps=10, decayed=False) == "raise"
+    assert s.last_loss == pytest.approx(4.9)  # the probe is back where the undo point is
+    assert read(s, 4.8, bottom=12.0) is None  # backing off
+    assert read(s, 4.7, bottom=12.0) == "raise"
 
 
-def test_the_scale_is_bounded_frozen_in_the_decay_and_lowered_on_overshoot():
+def test_the_scale_is_bounded_and_frozen_in_the_decay_and_the_warmup_does_not_count():
     s = LrScale()
-    for scale in (2.0, 4.0, 8.0, 10.0):  # max_raise, then max_scale
+    read(s, 5.0, bottom=100.0)
+    for i, scale in enumerate((4.0, 10.0)):  # max_raise, then max_scale
         s.trial_from = None
-        assert s.cycle(*parabola(100.0), steps=10, decayed=False) == "raise" and s.scale == scale
+        assert read(s, 4.9 - i / 10, bottom=100.0) == "raise" and s.scale == scale
     s.trial_from = None
-    assert s.cycle(*parabola(100.0), steps=10, decayed=False) is None  # at the bound: no trial of 1x
+    assert read(s, 4.0, bottom=100.0) is None and not s.wants_readings  # at the bound: no trial of 1x
     fresh = LrScale()
-    assert fresh.cycle(*parabola(3.0), steps=10, decayed=True) is None and fresh.scale == 1.0
-    assert s.cycle(*parabola(0.2), steps=10, decayed=False) == "lower" and s.scale == 5.0
-    at_user_lr = LrScale()
-    assert at_user_lr.cycle(*parabola(0.2), steps=10, decayed=False) is None and at_user_lr.scale == 1.0
+    read(fresh, 5.0, bottom=12.0)
+    assert read(fresh, 4.9, bottom=12.0, decayed=True) is None
+    assert read(fresh, 4.8, bottom=12.0, schedule_factor=0.25) is None  # early in the warmup: 3 steps at the peak
+    assert fresh.scale == 1.0
 
 
 def test_a_guard_rollback_ends_a_trial_and_never_goes_below_the_users_lr():
     s = LrScale()
-    s.cycle(*parabola(4.0), steps=10, decayed=False)
+    read(s, 5.0, bottom=12.0)
+    read(s, 4.9, bottom=12.0)
     s.weights_damaged()
-    assert s.scale == 1.0 and not s.on_trial and s.trials_undone == 1
+    assert s.scale == 1.0 and not s.on_trial and s.trials_undone == 1 and s.last_loss is None
     s.weights_damaged()
     assert s.scale == 1.0
 
@@ -132,15 +135,15 @@ class WeightsAtEachStep(TrainerCallback):
 def test_an_undone_raise_puts_back_the_weights_before_its_first_update(tmp_out, monkeypatch):
     """Every raise fails its trial: right after the undo, the weights are bit for bit those before the first update
     at the raised scale, and the LR in effect is the user's schedule again."""
-    original = LrScale.cycle
+    original = LrScale.reading
     undone_at = []
 
-    def fail_every_trial(self, f0, f1, f2, steps, decayed):
+    def fail_every_trial(self, f0, f1, f2, **kwargs):
         if self.on_trial:
-            f0 = f1  # no progress at the raised scale
-        return original(self, f0, f1, f2, steps, decayed)
+            f0 = self.last_loss  # no progress at the raised scale
+        return original(self, f0, f1, f2, **kwargs)
 
-    monkeypatch.setattr(LrScale, "cycle", fail_every_trial)
+    monkeypatch.setattr(LrScale, "reading", fail_every_trial)
     model = tiny_gpt2()
     trainer = HybridHFTrainer(model=model, args=hybrid_args(tmp_out, learning_rate=1e-4, **OUTER),
                               train_dataset=token_dataset())
@@ -184,5 +187,39 @@ def test_resume_during_a_trial_is_bit_identical(tmp_path):
                               train_dataset=token_dataset())
     resumed.train(resume_from_checkpoint=str(tmp_path / "full" / f"checkpoint-{mid}"))
     assert_bit_identical(state(full_run.model), state(resumed_model))
-    assert resumed._lr_autopilot.state_dict() == full_run._lr_autopilot.state_dict()
+    resumed_state, full_state = resumed._lr_autopilot.state_dict(), full_run._lr_autopilot.state_dict()
+    resumed_probe, full_probe = resumed_state.pop("probe"), full_state.pop("probe")
+    assert resumed_state == full_state
+    assert resumed_probe.keys() == full_probe.keys()
+    assert all(torch.equal(resumed_probe[k], full_probe[k]) for k in full_probe)
     assert resumed.hybrid_stats() == full_run.hybrid_stats()
+
+
+def test_the_line_runs_along_adams_next_step_and_puts_the_weights_back(tmp_out):
+    trainer = make_trainer(tmp_out, learning_rate=1e-3, lr_scheduler_type="constant", **{**OUTER, "max_steps": 12})
+    trainer.train()
+    model, engine, optimizer = trainer.model, trainer._hybrid, trainer.optimizer.optimizer
+    probe = trainer._lr_autopilot.probe
+    before = state(model)
+    f0, f1, f2 = (float(loss) for loss in next_step_line(trainer, model, engine, probe))
+    assert_bit_identical(state(model), before)
+    assert not engine.snapshot.valid
+    assert f0 == float(probe_loss(trainer, model, probe))
+    with torch.no_grad():  # 2 x SPACING of Adam's next step, weight decay aside, by its own formula
+        for group in optimizer.param_groups:
+            (beta1, beta2), lr = group["betas"], group["lr"]
+            for p in group["params"]:
+                s = optimizer.state[p]
+                step = float(s["step"])
+                m_hat, v_hat = s["exp_avg"] / (1 - beta1**step), s["exp_avg_sq"] / (1 - beta2**step)
+                p -= 2 * SPACING * lr * m_hat / (v_hat.sqrt() + group["eps"])
+    assert f2 == pytest.approx(float(probe_loss(trainer, model, probe)), abs=1e-5)
+    assert f1 != f0 and f2 != f1
+
+
+def test_with_an_optimizer_it_cannot_read_it_is_off_and_says_why(tmp_out, caplog):
+    with caplog.at_level(logging.WARNING):
+        trainer = make_trainer(tmp_out, learning_rate=1e-4, optim="sgd", **{**OUTER, "max_steps": 12})
+        trainer.train()
+    assert trainer._lr_autopilot is None
+    assert "it needs an Adam-family optimizer" in caplog.text

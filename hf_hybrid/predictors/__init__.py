@@ -22,10 +22,8 @@ def build_predictor(settings, params: list[Tensor], optimizer: torch.optim.Optim
     if name == "velocity":
         kwargs = {"beta": settings.hybrid_velocity_beta}
     elif name == "outer":
-        from ..config import lr_autopilot_missing  # here: config imports this package for the predictor names
-
         kwargs = {"period": settings.hybrid_outer_period, "outer_lr": settings.hybrid_outer_lr,
-                  "momentum": settings.hybrid_outer_momentum, "lr_autopilot": lr_autopilot_missing(settings) == []}
+                  "momentum": settings.hybrid_outer_momentum}
     return PREDICTORS[name](params, optimizer, **kwargs)
 
 

@@ -24,27 +24,23 @@ from .base import Predictor, local_shard
 class OuterMomentumPredictor(Predictor):
     name = "outer"
     # Its schedule is the period (controller_settings), with no Correct step and a one-step jump that is always checked.
-    flags = ("hybrid_outer_period", "hybrid_outer_lr", "hybrid_outer_momentum", "hybrid_lr_autopilot")
+    flags = ("hybrid_outer_period", "hybrid_outer_lr", "hybrid_outer_momentum")
     uses_updates = False
     uses_forecast = False  # the period schedules its jumps and the probe judges them
 
     def __init__(self, params: list[Tensor], optimizer: torch.optim.Optimizer, period: int = 30,
-                 outer_lr: float = 0.6, momentum: float = 0.9, lr_autopilot: bool = False) -> None:
+                 outer_lr: float = 0.6, momentum: float = 0.9) -> None:
         super().__init__(params, optimizer)
         self.period, self.outer_lr, self.momentum = period, outer_lr, momentum
-        self.lr_autopilot = lr_autopilot
         self.anchor: list[Tensor] | None = None
         self.cycle_steps = 0  # real updates since the anchor: the displacement weights - anchor is theirs
         self.buf: list[Tensor] = [torch.zeros_like(local_shard(p)) for p in params]
 
     def controller_settings(self) -> dict:
         """The phase controller's schedule for this predictor: a one-step jump every `period` real steps, judged by
-        its probe alone (the loss-forecast confidence gate is not this predictor's evidence). With the learning-rate
-        autopilot the first cycle ends after one period, not after the warmup: the warmup is there for the loss
-        forecast, which this predictor does not use, and the autopilot's evidence comes once per cycle."""
-        early = dict(warmup_steps=0) if self.lr_autopilot else {}
+        its probe alone (the loss-forecast confidence gate is not this predictor's evidence)."""
         return dict(full_steps=self.period, min_predict_steps=1, max_predict_steps=1, correct_steps=0,
-                    confidence_threshold=0.0, max_consecutive_predicts=1, **early)
+                    confidence_threshold=0.0, max_consecutive_predicts=1)
 
     @property
     def ready(self) -> bool:
