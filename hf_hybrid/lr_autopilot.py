@@ -23,9 +23,11 @@ from .step_line import SPACING, adam_family, next_step_line
 
 logger = logging.get_logger(__name__)
 
-# Real steps between two readings: three forwards each, about 3% of plain training's compute (a forward is a third of
-# a step), for a reading early enough to raise in the first tens of steps, where a too-small LR costs the most.
+# Real steps between two readings while a raise is asked for or judged: early enough to raise in the first tens of
+# steps, where a too-small LR costs the most. A reading costs three forwards (a step's worth of compute), so one that
+# asks for nothing doubles the gap, up to MAX_READ_EVERY: at a tuned LR the readings cost about 1% of the run.
 READ_EVERY = 10
+MAX_READ_EVERY = 80
 
 
 def scalable_schedule(trainer) -> bool:
@@ -44,10 +46,12 @@ class LrAutopilot:
         self.user_base_lrs = list(self._scheduler.base_lrs)
         self.probe: dict | None = None  # the run's first micro-batch, read at every reading
         self.last_reading = 0  # the global step of the last reading
+        self.read_every = READ_EVERY
         self.last_line: tuple[float, float, float] | None = None  # for the step trace
         if saved is not None:  # the scheduler's own state, loaded with the checkpoint, holds the scaled base LRs
             self.scale.load_state_dict(saved["scale"])
             self.user_base_lrs, self.last_reading = saved["user_base_lrs"], saved["last_reading"]
+            self.read_every = saved["read_every"]
             device = trainer.args.device
             self.probe = {k: v.to(device) for k, v in saved["probe"].items()} if saved["probe"] is not None else None
         self.guard_loop.snapshot_held = self.scale.on_trial
@@ -88,7 +92,7 @@ class LrAutopilot:
 
     def _wants_reading(self, step: int, real_step: bool) -> bool:
         engine = self.trainer._hybrid
-        due = step - self.last_reading >= READ_EVERY and self.probe is not None
+        due = step - self.last_reading >= self.read_every and self.probe is not None
         idle = real_step and not engine.snapshot.valid  # the jump's undo buffer is free
         return due and idle and self.scale.wants_readings and (self.scale.on_trial or not self._decayed())
 
@@ -100,11 +104,14 @@ class LrAutopilot:
             scale.weights_damaged()
         elif self._wants_reading(step, real_step):
             trainer = self.trainer
+            had_rate = scale.last_loss is not None  # a first reading, or one after a rollback, asks for nothing yet
             line = trainer._hybrid_reduce(*next_step_line(trainer, trainer.model_wrapped, trainer._hybrid, self.probe))
             self.last_line = tuple(line)
             decision = scale.reading(*line, spacing=SPACING, steps=step - self.last_reading,
                                      schedule_factor=self._schedule_factor(), decayed=self._decayed())
             self.last_reading = step
+            busy = decision in ("raise", "keep") or scale.on_trial or not had_rate
+            self.read_every = READ_EVERY if busy else min(2 * self.read_every, MAX_READ_EVERY)
             if decision == "raise":
                 self.guard_loop.snapshot_asked = True  # the undo point: before the first update at the new scale
             elif decision == "undo":
@@ -145,7 +152,7 @@ class LrAutopilot:
     def state_dict(self) -> dict:
         probe = {k: v.detach().cpu() for k, v in self.probe.items()} if self.probe is not None else None
         return {"scale": self.scale.state_dict(), "user_base_lrs": list(self.user_base_lrs),
-                "last_reading": self.last_reading, "probe": probe}
+                "last_reading": self.last_reading, "read_every": self.read_every, "probe": probe}
 
 
 def build_autopilot(trainer, guard_loop: GuardAtLoop | None, saved: dict | None) -> LrAutopilot | None:

@@ -42,8 +42,11 @@ def main(out_dir: str, resume_from: str | None) -> None:
     rows = [json.loads(line) for line in trace]
     events = [[r["step"], r["phase"], r["rollback"], r["guard"]] for r in rows
               if r["rollback"] or r["guard"] or r["phase"] == "predict"]
+    # Each rank keeps its own first micro-batch as the autopilot's probe (the losses on it are averaged across ranks):
+    # the rest of its state must be identical.
+    autopilot = {k: v for k, v in trainer._lr_autopilot.state_dict().items() if k != "probe"}
     result = {"world_size": args.world_size, "hashes": recorder.hashes, "stats": trainer.hybrid_stats(),
-              "lr_autopilot": trainer._lr_autopilot.state_dict(),
+              "lr_autopilot": autopilot,
               "events": events}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     trainer.accelerator.end_training()

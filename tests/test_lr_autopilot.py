@@ -223,3 +223,21 @@ def test_with_an_optimizer_it_cannot_read_it_is_off_and_says_why(tmp_out, caplog
         trainer.train()
     assert trainer._lr_autopilot is None
     assert "it needs an Adam-family optimizer" in caplog.text
+
+
+def test_readings_that_ask_for_nothing_come_less_often(tmp_out, monkeypatch):
+    """Every reading sees a short line: after the first two (no progress to compare yet, then nothing asked), the gap
+    between readings doubles up to its cap, so a tuned LR pays for few of them."""
+    monkeypatch.setattr(LrScale, "reading", lambda self, f0, f1, f2, **kwargs: setattr(self, "last_loss", f0))
+    trainer = make_trainer(tmp_out, learning_rate=1e-4, lr_scheduler_type="constant", **{**OUTER, "max_steps": 300})
+    read_at = []
+
+    class Readings(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if trainer._lr_autopilot.last_line is not None:
+                read_at.append(state.global_step)
+
+    trainer.add_callback(Readings())
+    trainer.train()
+    gaps = [b - a for a, b in zip(read_at, read_at[1:])]
+    assert gaps[:5] == [10, 20, 40, 80, 80], read_at
