@@ -84,17 +84,25 @@ class LrAutopilot:
         scheduler = self._scheduler
         return min(f(scheduler.last_epoch) for f in scheduler.lr_lambdas)
 
-    def _decayed(self) -> bool:
-        """Whether the schedule is in its final decay: past its warmup, below half its peak."""
-        trainer = self.trainer
-        past_warmup = self._scheduler.last_epoch > trainer.args.get_warmup_steps(trainer.state.max_steps)
-        return past_warmup and self._schedule_factor() < 0.5
+    def _warmup_steps(self) -> int:
+        return self.trainer.args.get_warmup_steps(self.trainer.state.max_steps)
+
+    def _frozen(self) -> bool:
+        """No raise starts in the schedule's warmup, where a run's first descent reads as a line tens of steps long at
+        any LR (measured on cpu-long at a fifth of the swept LR: 78 and 189 steps at steps 21 and 31, which raised it
+        to twice the swept LR and ended 0.06 above the Trainer), nor in its final decay (below half its peak)."""
+        step = self._scheduler.last_epoch
+        return step <= self._warmup_steps() or self._schedule_factor() < 0.5
 
     def _wants_reading(self, step: int, real_step: bool) -> bool:
         engine = self.trainer._hybrid
         due = step - self.last_reading >= self.read_every and self.probe is not None
         idle = real_step and not engine.snapshot.valid  # the jump's undo buffer is free
-        return due and idle and self.scale.wants_readings and (self.scale.on_trial or not self._decayed())
+        # One reading before the warmup ends, so that the first one after it has a rate and can raise.
+        useful = self.scale.on_trial or (not self._frozen() or
+                                         self._warmup_steps() - READ_EVERY <= self._scheduler.last_epoch
+                                         <= self._warmup_steps())
+        return due and idle and self.scale.wants_readings and useful
 
     def end_step(self, step: int, real_step: bool, guard_action: str | None) -> None:
         """At an optimizer step's end: act on a guard rollback, and every few real steps read the next step's line."""
@@ -108,7 +116,7 @@ class LrAutopilot:
             line = trainer._hybrid_reduce(*next_step_line(trainer, trainer.model_wrapped, trainer._hybrid, self.probe))
             self.last_line = tuple(line)
             decision = scale.reading(*line, spacing=SPACING, steps=step - self.last_reading,
-                                     schedule_factor=self._schedule_factor(), decayed=self._decayed())
+                                     schedule_factor=self._schedule_factor(), frozen=self._frozen())
             self.last_reading = step
             busy = decision in ("raise", "keep") or scale.on_trial or not had_rate
             self.read_every = READ_EVERY if busy else min(2 * self.read_every, MAX_READ_EVERY)

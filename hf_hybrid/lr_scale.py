@@ -18,7 +18,8 @@ is kept when a real step still made KEEP_SHARE of the progress a step made befor
 bit (weights, optimizer state, schedule back to the undo point, the scale back to what it was), and the next raise
 waits 2, 4, ... readings. A guard rollback (the weights were damaged) ends a trial and lowers a raised scale. The
 scale never goes below the user's LR: a run too fast for its data is the guard's to catch.
-No raise starts once the schedule has decayed below half its peak: the final decay is the user's.
+No raise starts in the schedule's warmup (a run's first descent reads long at any LR) or once it has decayed below half
+its peak (the final decay is the user's).
 """
 
 from __future__ import annotations
@@ -60,8 +61,9 @@ class LrScale:
     lowered: int = 0
 
     def reading(self, f0: float, f1: float, f2: float, spacing: float, steps: int, schedule_factor: float,
-                decayed: bool) -> str | None:
-        """One reading, `steps` real steps after the last. Returns what the trainer must do: "raise", "keep" (a trial
+                frozen: bool) -> str | None:
+        """One reading, `steps` real steps after the last; `frozen`: no raise may start now (the schedule's warmup or
+        final decay). Returns what the trainer must do: "raise", "keep" (a trial
         passed; the scale may have risen again), "undo" (restore the undo point: the scale is already back), or
         None."""
         rate = (self.last_loss - f0) / steps if self.last_loss is not None and steps > 0 else None
@@ -81,7 +83,7 @@ class LrScale:
                 self.wait = 2**self.failures
                 return "undo"
         factor = min(reach / TARGET_REACH, MAX_RAISE, MAX_SCALE / self.scale)
-        if reach >= RAISE_REACH and rate is not None and rate > 0 and not decayed and not self.wait and factor > 1.0:
+        if reach >= RAISE_REACH and rate is not None and rate > 0 and not frozen and not self.wait and factor > 1.0:
             self.trial_from, self.trial_rate, self.trial_loss = self.scale, rate, f0
             self.scale *= factor
             return "raise"

@@ -173,7 +173,7 @@ def summary(faults_report: dict, speed: dict, swept: dict | None, out: Path, sec
         lines.append("  " + advice.removeprefix("hf_hybrid: "))
     if swept is not None:
         lines.append(f"  at the swept LR (recorded: {swept['path']}): {swept['result']}")
-        lines.append(f"  recorded where jumps paid ({DEMO_RECORDED_REGIME[0]}): {DEMO_RECORDED_REGIME[1]}")
+        lines.append(f"  recorded in fine-tuning ({DEMO_RECORDED_REGIME[0]}): {DEMO_RECORDED_REGIME[1]}")
     lines += [
         "",
         f"REPORTS {out / 'faults' / 'report.json'}, {out / 'speed' / 'report.json'}",

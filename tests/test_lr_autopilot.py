@@ -21,12 +21,12 @@ from .test_lr_advice import OUTER
 
 
 def read(s: LrScale, loss: float, bottom: float, steps: int = 10, schedule_factor: float = 1.0,
-         decayed: bool = False) -> str | None:
+         frozen: bool = False) -> str | None:
     """A reading whose probe loss at the weights is `loss` and whose line along the next step bottoms out `bottom`
     steps out."""
     u = bottom / SPACING  # the bottom in units of the line's spacing
     f0, f1, f2 = (loss + 0.01 * ((x - u) ** 2 - u**2) for x in (0.0, 1.0, 2.0))
-    return s.reading(f0, f1, f2, spacing=SPACING, steps=steps, schedule_factor=schedule_factor, decayed=decayed)
+    return s.reading(f0, f1, f2, spacing=SPACING, steps=steps, schedule_factor=schedule_factor, frozen=frozen)
 
 
 def test_the_reach_is_where_the_line_bottoms_out():
@@ -69,7 +69,7 @@ def test_the_scale_is_bounded_and_frozen_in_the_decay_and_the_warmup_does_not_co
     assert read(s, 4.0, bottom=100.0) is None and not s.wants_readings  # at the bound: no trial of 1x
     fresh = LrScale()
     read(fresh, 5.0, bottom=12.0)
-    assert read(fresh, 4.9, bottom=12.0, decayed=True) is None
+    assert read(fresh, 4.9, bottom=12.0, frozen=True) is None
     assert read(fresh, 4.8, bottom=12.0, schedule_factor=0.25) is None  # early in the warmup: 3 steps at the peak
     assert fresh.scale == 1.0
 
