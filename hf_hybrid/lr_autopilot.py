@@ -149,11 +149,6 @@ class LrAutopilot:
             return f"hf_hybrid: the learning rate {user:.2g} was kept: {tried}."
         return None
 
-    def stats(self) -> dict:
-        s = self.scale
-        return {"lr_scale": s.scale, "lr_raises_kept": s.raises_kept, "lr_trials_undone": s.trials_undone,
-                "lr_lowered": s.lowered}
-
     def log_metrics(self) -> dict[str, float]:
         return {"hybrid/lr_scale": float(self.scale.scale)}
 

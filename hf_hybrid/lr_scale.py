@@ -109,6 +109,12 @@ class LrScale:
     def on_trial(self) -> bool:
         return self.trial_from is not None
 
+    def stats(self) -> dict:
+        """For `hybrid_stats()`; a fresh scale's (1.0, nothing tried) when the autopilot is off, so that the keys never
+        depend on the flags."""
+        return {"lr_scale": self.scale, "lr_raises_kept": self.raises_kept, "lr_trials_undone": self.trials_undone,
+                "lr_lowered": self.lowered}
+
     def state_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 

@@ -34,6 +34,7 @@ from .guard_loop import GuardAtLoop, GuardStoppedError
 from .launch import check_launch_mode
 from .lr_advice import jump_advice
 from .lr_autopilot import LrAutopilot, build_autopilot
+from .lr_scale import LrScale
 from .memory import EmergencyCheckpointCallback, VramMonitor
 from .predict_step import predict_training_step
 from .step_veto import SaveOnCountedSteps, StepVeto
@@ -104,10 +105,9 @@ class HybridMixin:
     def hybrid_stats(self) -> dict:
         """Optimizer steps per phase, backward reduction, rollbacks and divergences so far."""
         guard = self._guard_loop.guard if self._guard_loop is not None else StepGuard()
-        if self._hybrid is not None:
-            autopilot = self._lr_autopilot.stats() if self._lr_autopilot is not None else {}
-            return {**self._hybrid.stats(), **guard.stats(), **autopilot}
-        return {**HybridEngine.plain_stats(self.state.global_step), **guard.stats()}
+        scale = self._lr_autopilot.scale if self._lr_autopilot is not None else LrScale()
+        engine = self._hybrid.stats() if self._hybrid is not None else HybridEngine.plain_stats(self.state.global_step)
+        return {**engine, **guard.stats(), **scale.stats()}
 
     # ---- the step ---------------------------------------------------------------------------------
 

@@ -137,8 +137,6 @@ def _damage(value: float) -> str:
 
 def summary(faults_report: dict, speed: dict, swept: dict | None, out: Path, seconds: float) -> str:
     """The one screen the demo ends on."""
-    from hf_hybrid.lr_advice import lr_too_small
-
     arms, damage = faults_report["arms"], faults_report["damage"]
     guard = arms["hybrid-faults"]["hybrid_stats"]
     stats = speed["arms"]["hybrid"]["hybrid_stats"]
@@ -164,13 +162,9 @@ def summary(faults_report: dict, speed: dict, swept: dict | None, out: Path, sec
         f"  {stats['predictions_kept']} of {stats['predictions_judged']} jumps kept, worth about "
         f"{stats['jump_worth_steps']:.0f} real steps",
     ]
-    if "lr_scale" in stats:
-        raised = speed["learning_rate"] * stats["lr_scale"]
-        lines.append(f"  LR autopilot: {speed['learning_rate']:.2g} -> {raised:.2g} ({stats['lr_scale']:.1f}x; "
-                     f"{stats['lr_raises_kept']} raises kept, {stats['lr_trials_undone']} undone)")
-    advice = None if "lr_scale" in stats else lr_too_small(stats, speed["learning_rate"])
-    if advice is not None:
-        lines.append("  " + advice.removeprefix("hf_hybrid: "))
+    raised = speed["learning_rate"] * stats["lr_scale"]
+    lines.append(f"  LR autopilot: {speed['learning_rate']:.2g} -> {raised:.2g} ({stats['lr_scale']:.1f}x; "
+                 f"{stats['lr_raises_kept']} raises kept, {stats['lr_trials_undone']} undone)")
     if swept is not None:
         lines.append(f"  at the swept LR (recorded: {swept['path']}): {swept['result']}")
         lines.append(f"  recorded in fine-tuning ({DEMO_RECORDED_REGIME[0]}): {DEMO_RECORDED_REGIME[1]}")

@@ -14,22 +14,35 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from faults import FaultPlan, LearningRateSpike, with_faults  # noqa: E402
 
 from hf_hybrid import HybridHFTrainer  # noqa: E402
+from hf_hybrid.lr_scale import LrScale  # noqa: E402
 from hf_hybrid.payoff import PayoffMeter  # noqa: E402
 from tests.conftest import hybrid_args, tiny_gpt2, token_dataset  # noqa: E402
 from tests.ddp_guard_worker import HashEveryStep  # noqa: E402
 from tests.test_guard import GUARD, SPIKE  # noqa: E402
 
-DEFAULTS = dict(hybrid_predictor="outer", hybrid_outer_period=5, hybrid_payoff_check=True, hybrid_max_rejections=0,
-                save_strategy="steps", save_steps=10)
+# The defaults, with the outer cycle and the warmup before it scaled down to a 40-step run, and a constant schedule:
+# a linear decay would freeze the learning-rate autopilot from step 20 on.
+DEFAULTS = dict(hybrid_predictor="outer", hybrid_outer_period=5, hybrid_warmup_steps=5, hybrid_payoff_check=True,
+                hybrid_max_rejections=0, lr_scheduler_type="constant", save_strategy="steps", save_steps=10)
 
 
 def main(out_dir: str, resume_from: str | None) -> None:
     # Every other verdict rejects its jump, in the same order on both ranks (and in a resumed run, from its count).
     original = PayoffMeter.verdict
     PayoffMeter.verdict = lambda self, gain: original(self, gain if self.verdicts % 2 else float("-inf"))
-    # A fifth of GUARD's learning rate, so that the learning-rate autopilot raises it too.
+    # The tiny task's lines along the next step are short: until a raise has been tried, each reading's line still
+    # falls at 8 steps, so that the learning-rate autopilot tries one, which both ranks must judge alike. The rule
+    # reads the checkpointed scale, so a resumed run follows it too.
+    original_reading = LrScale.reading
+
+    def long_until_tried(self, f0, f1, f2, **kwargs):
+        if not (self.on_trial or self.raises_kept or self.trials_undone):
+            f1, f2 = f0 - 1.0, f0 - 2.0
+        return original_reading(self, f0, f1, f2, **kwargs)
+
+    LrScale.reading = long_until_tried
     args = hybrid_args(out_dir, max_steps=40, per_device_train_batch_size=4,
-                       **{**GUARD, **DEFAULTS, "learning_rate": GUARD.get("learning_rate", 3e-3) / 5})
+                       **{**GUARD, **DEFAULTS, "learning_rate": GUARD["learning_rate"] / 5})
     rank = args.process_index
     plan = FaultPlan(nan_step=34 if rank == 1 else None)
     trainer = with_faults(HybridHFTrainer, plan)(model=tiny_gpt2(seed=7 if resume_from else 0), args=args,
