@@ -7,8 +7,8 @@ the curvature it meets to its square), so it reads the LR itself, where the line
 measured on cpu-finetune, after step 100, a parabola bottom at 0-0.5 steps at the swept LR and 10-270 steps at a
 twentieth of it (docs/benchmarks.md, issue 25).
 
-Three forwards and one copy of the weights (the jump's undo buffer, free outside a Predict phase); the weights come
-back bit for bit.
+Three forwards and one copy of the weights (the jump's undo buffer, free outside a Predict phase, or borrowed for the
+reading once prediction has retired); the weights come back bit for bit.
 """
 
 from __future__ import annotations
@@ -36,21 +36,22 @@ def _move_along_next_step(optimizer: torch.optim.Optimizer, multiple: float) -> 
     parameters' size."""
     for group in optimizer.param_groups:
         beta1, beta2 = group["betas"]
-        lr = float(group["lr"])
+        lr = group["lr"]  # a float, or a fused optimizer's tensor
         for p in group["params"]:
             state = optimizer.state.get(p)
             if not state or "exp_avg_sq" not in state:
                 continue
-            step = float(state["step"])
+            step = state["step"]  # a tensor, kept as one: no host read per parameter
             m_hat = _local(state["exp_avg"]) / (1 - beta1**step)
             denom = (_local(state["exp_avg_sq"]) / (1 - beta2**step)).sqrt_().add_(group["eps"])
-            _local(p).addcdiv_(m_hat, denom, value=-lr * multiple)
+            _local(p).add_(m_hat.div_(denom).mul_(lr).mul_(-multiple))
 
 
 @torch.no_grad()
 def next_step_line(trainer, model: torch.nn.Module, engine, probe: dict) -> list[torch.Tensor]:
     """The probe's loss at the weights W, at W + c*step and at W + 2c*step (c = SPACING), unreduced across ranks."""
     shards = engine._shards()
+    held = engine.snapshot.tensors is not None  # a retired engine gave its buffer back: borrow one for the reading
     engine.snapshot.capture(shards)
     optimizer = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
     losses = [probe_loss(trainer, model, probe)]
@@ -58,5 +59,8 @@ def next_step_line(trainer, model: torch.nn.Module, engine, probe: dict) -> list
         _move_along_next_step(optimizer, SPACING)
         losses.append(probe_loss(trainer, model, probe))
     engine.snapshot.restore(shards)
-    engine.snapshot.valid = False  # the copy was ours: no jump is open
+    if held:
+        engine.snapshot.valid = False  # the copy was ours: no jump is open
+    else:
+        engine.snapshot.release()
     return losses

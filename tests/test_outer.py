@@ -128,8 +128,10 @@ class ForwardCounter(TrainerCallback):
 def test_a_one_step_jump_is_charged_the_forwards_it_runs(tmp_out, accumulation):
     model = tiny_gpt2()
     counter = ForwardCounter(model)
+    # The learning-rate autopilot's readings are not the jump's (test_lr_autopilot.py counts them).
     trainer = make_trainer(tmp_out, model=model, **{**OUTER, "max_steps": 30, "hybrid_payoff_check": True,
-                                                    "hybrid_max_rejections": 0,
+                                                    "hybrid_max_rejections": 0, "hybrid_warmup_steps": 5,
+                                                    "hybrid_lr_autopilot": False,
                                                     "gradient_accumulation_steps": accumulation})
     counter.trainer = trainer
     trainer.add_callback(counter)
@@ -138,12 +140,11 @@ def test_a_one_step_jump_is_charged_the_forwards_it_runs(tmp_out, accumulation):
     assert len(jumps) >= 2
     # One micro-batch: the probe before the jump and after it, which is also the step's loss check. With accumulation:
     # the probe twice and the step's micro-batches. Each micro-batch forward is charged its share of a step's. The
-    # probe's line (at the cycle's start, and for the LR autopilot at twice its displacement) is paid whatever the
-    # verdict, so it is not charged to the jump.
+    # probe at the cycle's start (the rate a kept jump is worth against) is paid whatever the verdict, so it is not
+    # charged to the jump.
     forwards = 2 if accumulation == 1 else accumulation + 2
-    line = 2 if trainer._lr_autopilot is not None else 1
     per_forward = trainer._hybrid.payoff.forward_cost / accumulation
-    assert all(calls == forwards + line and abs(charged - forwards * per_forward) < 1e-9 for calls, charged in jumps)
+    assert all(calls == forwards + 1 and abs(charged - forwards * per_forward) < 1e-9 for calls, charged in jumps)
     assert all(calls == accumulation and abs(charged - 1.0) < 1e-9
                for phase, calls, charged in counter.rows if phase is not Phase.PREDICT)
     assert trainer.hybrid_stats()["predictions_judged"] == len(jumps)

@@ -209,8 +209,9 @@ def test_after_rejected_jumps_training_is_the_trainers_bit_for_bit(tmp_path, mon
 
     reject_every_jump(monkeypatch)
     recorder = StepRecorder()
+    # The learning-rate autopilot off: a kept raise is meant to leave the Trainer's trajectory (test_lr_autopilot.py).
     trainer = make_trainer(tmp_path / "hybrid", model=model(), dataset=token_dataset(examples),
-                           hybrid_payoff_check=True, hybrid_max_rejections=3, **settings)
+                           hybrid_payoff_check=True, hybrid_max_rejections=3, hybrid_lr_autopilot=False, **settings)
     trainer.add_callback(recorder)
     recorder.trainer = trainer
     trainer.train()
