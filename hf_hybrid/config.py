@@ -62,12 +62,13 @@ class HybridTrainingArguments(TrainingArguments):
         hybrid_outer_momentum (`float`, defaults to `0.9`):
             Nesterov momentum of the `outer` predictor, in [0, 1).
         hybrid_lr_autopilot (`bool`, defaults to `True`):
-            Raise the learning rate when a probe along the optimizer's next step (every 10 real steps, three
-            forwards) shows the steps are too short: one multiplier on the whole schedule (logged as
-            `hybrid/lr_scale`), 2x at a time, up to 10x, never below the user's. Each raise is judged at the next
-            reading and undone bit for bit (to the guard's snapshot) when its steps do not keep half the progress
-            per step of the steps before; no raise in the schedule's final decay. Needs the guard's snapshots and an
-            Adam-family optimizer. `False` keeps `--learning_rate` exactly.
+            Raise the learning rate when a probe along the optimizer's next step (three forwards, every 10 real
+            steps, spaced out to 80 while it asks for nothing) shows the steps are too short: one multiplier on the
+            whole schedule (logged as `hybrid/lr_scale`), sized to the reading, up to 4x at a time and 10x in all,
+            never below the user's. Each raise is judged at the next reading and undone bit for bit (to the guard's
+            snapshot) when its steps do not keep half the progress per step of the steps before; no raise in the
+            schedule's warmup or final decay. Needs the guard's snapshots and an Adam-family optimizer. `False` keeps
+            `--learning_rate` exactly.
         hybrid_monitor_interval (`int`, defaults to `1`):
             Run a forward pass to check the loss on every N-th predicted step (and always on a phase's last);
             skipped steps cost almost nothing but are unchecked until the next check.

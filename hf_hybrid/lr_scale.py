@@ -8,8 +8,9 @@ step (step_line.py): the weights W, W + c*step and W + 2c*step. Call their losse
 - `rate`: the fall of f0 since the last reading, per real step: paired (one batch), so it does not vanish into batch
   noise the way a loss slope over many batches does in low-LR fine-tuning.
 - `reach`: where a parabola through the three points bottoms out, in today's steps, times the schedule's factor (its
-  warmup or decay is the user's shape, not a sign about the peak). It scales as 1 / LR. Measured on cpu-finetune past
-  step 100: 0-0.5 at the swept LR, 0.2-4 at a fifth of it, 10-270 at a twentieth; early in a run it is larger.
+  warmup or decay is the user's shape, not a sign about the peak). It scales as 1 / LR. Measured on cpu-finetune in a
+  plain AdamW loop past step 100: 0-0.5 at the swept LR, 0.2-4 at a fifth of it, 10-270 at a twentieth; early in a
+  run it is larger.
   A reach of RAISE_REACH or more says the steps are too short.
 
 A raise is a trial. The scale is multiplied by what would put the line's bottom at TARGET_REACH steps, at most
@@ -63,9 +64,8 @@ class LrScale:
     def reading(self, f0: float, f1: float, f2: float, spacing: float, steps: int, schedule_factor: float,
                 frozen: bool) -> str | None:
         """One reading, `steps` real steps after the last; `frozen`: no raise may start now (the schedule's warmup or
-        final decay). Returns what the trainer must do: "raise", "keep" (a trial
-        passed; the scale may have risen again), "undo" (restore the undo point: the scale is already back), or
-        None."""
+        final decay). Returns what the trainer must do: "raise", "keep" (a trial passed; the scale may have risen
+        again), "undo" (restore the undo point: the scale is already back), or None."""
         rate = (self.last_loss - f0) / steps if self.last_loss is not None and steps > 0 else None
         self.last_loss = f0
         if rate is not None and not math.isfinite(rate):

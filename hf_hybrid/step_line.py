@@ -4,8 +4,8 @@ Adam's next step is -lr * m_hat / (sqrt(v_hat) + eps), read from its state with 
 W + c*step and W + 2c*step puts a parabola along it; where it bottoms out, in steps, is how many of today's steps
 the current direction is worth. At a fixed point that number scales as 1 / lr (the step is proportional to the LR,
 the curvature it meets to its square), so it reads the LR itself, where the line an outer cycle travelled does not:
-measured on cpu-finetune, after step 100, a parabola bottom at 0-0.5 steps at the swept LR and 10-270 steps at a
-twentieth of it (docs/benchmarks.md, issue 25).
+measured on cpu-finetune from step 60, a parabola bottom at 0-0.5 steps at the swept LR and 10-270 steps at a
+twentieth of it (docs/benchmarks.md, session 14).
 
 Three forwards and one copy of the weights (the jump's undo buffer, free outside a Predict phase, or borrowed for the
 reading once prediction has retired); the weights come back bit for bit.
@@ -17,7 +17,7 @@ import torch
 
 from .forward_checks import probe_loss
 
-SPACING = 4.0  # c: the line is read at 0, 4 and 8 of today's steps, far enough to see a 2x raise's worth
+SPACING = 4.0  # c: the line is read at 0, 4 and 8 of today's steps, far enough to see a line several steps long
 
 
 def adam_family(optimizer: torch.optim.Optimizer) -> bool:
