@@ -99,9 +99,9 @@ class LrAutopilot:
         due = step - self.last_reading >= self.read_every and self.probe is not None
         idle = real_step and not engine.snapshot.valid  # the jump's undo buffer is free
         # One reading before the warmup ends, so that the first one after it has a rate and can raise.
-        useful = self.scale.on_trial or (not self._frozen() or
-                                         self._warmup_steps() - READ_EVERY <= self._scheduler.last_epoch
-                                         <= self._warmup_steps())
+        warmup = self._warmup_steps()
+        warmup_ending = warmup - READ_EVERY <= self._scheduler.last_epoch <= warmup
+        useful = self.scale.on_trial or not self._frozen() or warmup_ending
         return due and idle and self.scale.wants_readings and useful
 
     def end_step(self, step: int, real_step: bool, guard_action: str | None) -> None:
@@ -131,8 +131,8 @@ class LrAutopilot:
     def _undo(self, step: int, tried: float) -> None:
         undone = self.guard_loop.restore_snapshot(step) if self.guard_loop.snapshot.valid else 0
         if self.trainer.is_world_process_zero():
-            logger.warning(f"hf_hybrid: a learning rate {tried / self.scale.scale:.2g}x higher did not pay over its "
-                           f"cycle; undone ({undone} updates), back to {self.learning_rate:.2g}.")
+            logger.warning(f"hf_hybrid: a learning rate {tried / self.scale.scale:.2g}x higher did not pay over the "
+                           f"steps since it was raised; undone ({undone} updates), back to {self.learning_rate:.2g}.")
 
     @property
     def learning_rate(self) -> float:
