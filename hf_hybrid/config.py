@@ -94,10 +94,6 @@ class HybridTrainingArguments(TrainingArguments):
             Keep the copy of the weights that undoes a Predict phase in pinned host memory rather than on the GPU:
             one parameter-sized buffer less of device memory, for a device-to-host copy of the weights at each
             Predict phase's start and a copy back at each rollback. No effect on CPU.
-        hybrid_offload_optimizer_state (`bool`, defaults to `False`):
-            Predict-aware memory: while predicting, park the optimizer state in pinned host memory (gradients are
-            already freed); it comes back asynchronously before the next real step. Not with the `adam`
-            predictor, which reads that state while predicting.
         hybrid_guard (`bool`, defaults to `True`):
             Guard every real optimizer step. A step whose loss or gradient norm is not finite, or is an outlier
             against the recent steps, is skipped: its update is vetoed (weights, optimizer state, learning-rate
@@ -171,9 +167,6 @@ class HybridTrainingArguments(TrainingArguments):
     hybrid_offload_snapshot: bool = field(
         default=False, metadata={"help": "GPU: keep the undo copy of the weights in pinned host memory."}
     )
-    hybrid_offload_optimizer_state: bool = field(
-        default=False, metadata={"help": "GPU: park optimizer state in pinned host memory during Predict phases."}
-    )
     hybrid_guard: bool = field(
         default=True, metadata={"help": "Skip outlier or non-finite real steps; roll back damaged weights."}
     )
@@ -228,9 +221,6 @@ def validate_hybrid_settings(settings) -> None:
             bad(flag, "must be > 0")
     if settings.hybrid_vram_min_free_mb < 0:
         bad("hybrid_vram_min_free_mb", "must be >= 0")
-    if settings.hybrid_offload_optimizer_state and settings.hybrid_predictor == "adam":
-        bad("hybrid_offload_optimizer_state",
-            "needs --hybrid_predictor velocity or outer: 'adam' reads the optimizer state")
 
 
 def ignored_flags(settings) -> list[str]:

@@ -10,6 +10,16 @@ import math
 from dataclasses import asdict, dataclass
 
 
+def non_finite(loss: float, grad_norm: float | None = None) -> str | None:
+    """Which of a step's numbers is not finite ("loss" first, then "grad_norm"), or None. The one test of it that
+    the guard, the engine's veto of a real step and the divergence monitor all make."""
+    if not math.isfinite(loss):
+        return "loss"
+    if grad_norm is not None and not math.isfinite(grad_norm):
+        return "grad_norm"
+    return None
+
+
 @dataclass
 class DivergenceMonitor:
     band_sigmas: float = 3.0
@@ -51,7 +61,7 @@ class DivergenceMonitor:
 
     def loss_diverged(self, loss: float, expected: float | None = None, extra_sigma: float = 0.0) -> bool:
         """True when `loss` is non-finite or above `expected` (default: the recent level) by the band."""
-        if not math.isfinite(loss):
+        if non_finite(loss):
             self.non_finite += 1
             self.divergences += 1
             return True
@@ -66,7 +76,7 @@ class DivergenceMonitor:
 
     def grad_diverged(self, grad_norm: float) -> bool:
         """True when the gradient norm is non-finite or explodes past `grad_explosion_factor` x its trend."""
-        if not math.isfinite(grad_norm):
+        if non_finite(0.0, grad_norm):
             self.non_finite += 1
             self.divergences += 1
             return True

@@ -12,18 +12,16 @@ all-reduce per optimizer step, shared with the gradient norm) before any decisio
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from .controller import PHASE_IDS, ControllerConfig, Phase, PhaseController
-from .divergence import DivergenceMonitor
+from .divergence import DivergenceMonitor, non_finite
 from .dynamics import LossDynamicsModel
 from .epoch_seed import EpochSeedDraw
 from .jump import JumpLifecycle
-from .memory import OptimizerStateOffloader
 from .payoff import PayoffMeter
 from .predictor_feed import PredictorFeed
 from .predictors import build_predictor
@@ -48,7 +46,9 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
     def __init__(self, settings, params: list[Tensor], optimizer: torch.optim.Optimizer, seed: int = 0,
                  accumulation: int = 1) -> None:
         if not params:
-            raise ValueError("hybrid training needs at least one trainable parameter; the model has none")
+            raise ValueError("hybrid training needs at least one trainable parameter; the model has none. Unfreeze "
+                             "the parameters to train (with PEFT: check the adapter config's target_modules), or "
+                             "pass --hybrid false.")
         self.settings = settings
         self.params = params
         self.optimizer = optimizer
@@ -63,7 +63,6 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
         self.snapshot = WeightSnapshot(on_host=settings.hybrid_offload_snapshot)
         self.replay = BatchReplay()
         self.epoch_seed = EpochSeedDraw()
-        self.offloader = OptimizerStateOffloader(optimizer) if settings.hybrid_offload_optimizer_state else None
         self._anchor: list[Tensor] | None = None  # parameters before a real optimizer step, while it runs
         # On an accelerator the anchor is freed after each step: the caching allocator hands the same blocks back,
         # and a buffer that lives only around the optimizer step stays out of the forward and backward's peak. On
@@ -117,8 +116,8 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
         record = self.record
         record.loss = loss
         after_prediction = self.snapshot.valid
-        if not (math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm))):
-            self.skip_step(non_finite=True)
+        if non_finite(loss, grad_norm):
+            self.skip_step(diverged=True)
             return True
         first_correct = record.phase is Phase.CORRECT and self.controller.steps_in_phase == 0
         if after_prediction and first_correct:
@@ -132,9 +131,10 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
             self.dynamics.observe(loss, grad_norm, lr)
         return False
 
-    def skip_step(self, non_finite: bool) -> None:
-        """This real step's update is vetoed (a NaN, or the guard's verdict). A jump still open is suspect too."""
-        if non_finite:
+    def skip_step(self, diverged: bool) -> None:
+        """This real step's update is vetoed (`diverged`: a non-finite loss or gradient norm; otherwise the guard's
+        verdict on a finite outlier). A jump still open is suspect too."""
+        if diverged:
             self.monitor.non_finite += 1
             self.monitor.divergences += 1
         self.skipped_steps += 1
@@ -185,8 +185,6 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
             self.snapshot.valid = False
             self.replay.settle()
             self.jump_start_step = self.schedule_at_jump = None
-        if self.offloader is not None and self.offloader.is_offloaded and self.controller.phase is not Phase.PREDICT:
-            self.offloader.restore()  # asynchronous: overlaps the next step's forward and backward
         self._predicted = None
         if not self._keep_anchor:
             self._anchor = None
@@ -201,33 +199,16 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
     # ---- reporting and checkpoints --------------------------------------------------------------
 
     def stats(self) -> dict:
-        steps = dict(self.controller.phase_steps)
-        total = sum(steps.values())
-        predict = steps[Phase.PREDICT.value]
-        return {
-            "phase_steps": steps,
-            "backward_steps": total - predict,
-            "predict_steps": predict,
-            "backward_reduction": predict / total if total else 0.0,
-            "rollbacks": self.controller.rollbacks,
-            "retired": self.controller.retired,
-            "divergences": self.monitor.divergences,
-            "non_finite": self.monitor.non_finite,
-            "skipped_steps": self.skipped_steps,
-            "undone_steps": self.undone_steps,
-            "predictions_judged": self.payoff.verdicts,
-            "predictions_kept": self.payoff.paid,
-            "jump_gain": self.payoff.kept_gain,
-            "jump_worth_steps": self.payoff.kept_worth,
-        }
+        c, m, p = self.controller, self.monitor, self.payoff
+        return run_stats(dict(c.phase_steps), rollbacks=c.rollbacks, retired=c.retired, divergences=m.divergences,
+                         non_finite=m.non_finite, skipped_steps=self.skipped_steps, undone_steps=self.undone_steps,
+                         predictions_judged=p.verdicts, predictions_kept=p.paid, jump_gain=p.kept_gain,
+                         jump_worth_steps=p.kept_worth)
 
     @staticmethod
     def plain_stats(steps: int) -> dict:
         """`stats()` of a run with the hybrid off: every step a plain Full step."""
-        return {"phase_steps": {p.value: (steps if p is Phase.FULL else 0) for p in Phase}, "backward_steps": steps,
-                "predict_steps": 0, "backward_reduction": 0.0, "rollbacks": 0, "retired": False, "divergences": 0,
-                "non_finite": 0, "skipped_steps": 0, "undone_steps": 0, "predictions_judged": 0,
-                "predictions_kept": 0, "jump_gain": 0.0, "jump_worth_steps": 0.0}
+        return run_stats({p.value: (steps if p is Phase.FULL else 0) for p in Phase})
 
     def log_metrics(self) -> dict[str, float]:
         stats = self.stats()
@@ -287,3 +268,15 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
         self._measured_last = state["measured_last"]
         self.confidence = state["confidence"]
         self.band = tuple(state["band"])
+
+
+def run_stats(phase_steps: dict, rollbacks: int = 0, retired: bool = False, divergences: int = 0, non_finite: int = 0,
+              skipped_steps: int = 0, undone_steps: int = 0, predictions_judged: int = 0, predictions_kept: int = 0,
+              jump_gain: float = 0.0, jump_worth_steps: float = 0.0) -> dict:
+    """The engine's end-of-run numbers, one key list whether the hybrid ran or not (the defaults: it did not)."""
+    total, predict = sum(phase_steps.values()), phase_steps[Phase.PREDICT.value]
+    return {"phase_steps": phase_steps, "backward_steps": total - predict, "predict_steps": predict,
+            "backward_reduction": predict / total if total else 0.0, "rollbacks": rollbacks, "retired": retired,
+            "divergences": divergences, "non_finite": non_finite, "skipped_steps": skipped_steps,
+            "undone_steps": undone_steps, "predictions_judged": predictions_judged,
+            "predictions_kept": predictions_kept, "jump_gain": jump_gain, "jump_worth_steps": jump_worth_steps}

@@ -33,6 +33,8 @@ from collections import deque
 from dataclasses import dataclass
 from enum import Enum
 
+from .divergence import non_finite
+
 MAD_TO_SIGMA = 1.4826  # the MAD of a normal distribution is 0.6745 sigma
 # Floors on the robust sigma, so that an unusually smooth stretch does not turn ordinary noise into outliers:
 # relative for the loss (2%), in log units for the gradient norm (at 6 sigmas, 3.3x the median; a clean run of the
@@ -119,10 +121,9 @@ class StepGuard:
         return event
 
     def _flag(self, step: int, loss: float, grad_norm: float | None) -> GuardEvent | None:
-        if not math.isfinite(loss):
-            return GuardEvent(step, "non-finite loss", loss, None, Action.SKIP)
-        if grad_norm is not None and not math.isfinite(grad_norm):
-            return GuardEvent(step, "non-finite grad_norm", grad_norm, None, Action.SKIP)
+        bad = non_finite(loss, grad_norm)
+        if bad is not None:
+            return GuardEvent(step, f"non-finite {bad}", loss if bad == "loss" else grad_norm, None, Action.SKIP)
         if not self.armed:
             return None
         bound = self.loss.bound(self.threshold)

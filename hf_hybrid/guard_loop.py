@@ -10,12 +10,12 @@ the run (with a checkpoint) instead of rolling back.
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch
 from transformers.utils import logging
 
+from .divergence import non_finite
 from .forward_checks import forked_rng
 from .guard import Action, GuardEvent, StepGuard
 from .replay import move_unit
@@ -38,7 +38,9 @@ class GuardAtLoop:
                                max_skips=settings.hybrid_guard_max_skips,
                                max_rollbacks=settings.hybrid_guard_max_rollbacks,
                                grad_norm_outliers=not trainer.args.max_grad_norm)
-        self.snapshot = TrainingSnapshot()
+        # Under DDP every rank holds the same state, so one rank keeps the snapshot for all (FSDP2: each its shards).
+        sharded = bool(trainer._hybrid.predictor.shard_groups)
+        self.snapshot = TrainingSnapshot(replicated=trainer.accelerator.num_processes > 1 and not sharded)
         self.inputs: list[dict] = []  # the micro-batches of the real step under way
         self.reference: list[dict] | None = None  # the last accepted step's: bad weights or bad data?
         self.pending: tuple | None = None  # (event, scaler state) until the step's end
@@ -82,11 +84,11 @@ class GuardAtLoop:
             guard.judge_weights(event, *trainer._hybrid_reduce(*self._reference_signals(model)))
         guard.escalate(event, has_snapshot=self.snapshot.valid)
         engine.record.loss = loss
-        non_finite = not math.isfinite(loss) or (grad_norm is not None and not math.isfinite(grad_norm))
-        engine.skip_step(non_finite)
+        diverged = non_finite(loss, grad_norm) is not None
+        engine.skip_step(diverged)
         scaler = trainer.accelerator.scaler
         # A finite outlier leaves the fp16 loss scale alone; an overflow lowers it, as the scaler would anyway.
-        scaler_state = scaler.state_dict() if scaler is not None and not non_finite else None
+        scaler_state = scaler.state_dict() if scaler is not None and not diverged else None
         self.pending = (event, scaler_state)
         return True
 

@@ -17,8 +17,6 @@ class JumpLifecycle:
 
     def open_jump(self, step: int) -> None:
         """At a Predict phase's first step: keep what is needed to undo it."""
-        if self.offloader is not None:
-            self.offloader.offload()
         self.snapshot.capture(self._shards())
         self.jump_start_step = step
         self.payoff.begin_prediction()
@@ -108,11 +106,9 @@ class JumpLifecycle:
             self._release()
 
     def finish(self) -> None:
-        """At the end of training: a jump still awaiting its probe verdict is undone; offloaded state comes back."""
+        """At the end of training: a jump still awaiting its probe verdict is undone."""
         if self.probe is not None and self.snapshot.valid:
             self.snapshot.restore(self._shards())
             self.snapshot.valid = False
             self.probe = self.probe_loss = None
-        if self.offloader is not None and self.offloader.is_offloaded:
-            self.offloader.restore(non_blocking=False)
 

@@ -19,8 +19,6 @@ class PredictorFeed:
     def before_optimizer_step(self, lr: float) -> None:
         """Keep the parameters so the real update can be measured after the step; on a Correct step,
         also what the predictor would have done from the same state."""
-        if self.offloader is not None:
-            self.offloader.wait()
         self._predicted = None
         # A step vetoed under the fp16 GradScaler still reaches here (the scaler skips it later); it has no update to
         # measure, and after a rollback that retired the predictor, nothing to measure it with.

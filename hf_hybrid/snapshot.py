@@ -7,9 +7,10 @@ import random
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
-from .predictors.base import local_shard
+from .predictors.base import load_tensors, local_shard
 
 
 class WeightSnapshot:
@@ -72,9 +73,7 @@ class WeightSnapshot:
             self.capture(tensors)  # allocates the buffers where this run keeps them
             if self._copied is not None:
                 self._copied.synchronize()  # or the copy could land after the saved values below
-            with torch.no_grad():
-                for s, saved in zip(self.tensors, state["tensors"]):
-                    s.copy_(saved)
+            load_tensors(self.tensors, state["tensors"], "undo copy of the weights")
 
 
 class TrainingSnapshot:
@@ -82,16 +81,23 @@ class TrainingSnapshot:
     before the update of a step the guard accepted (so its weights are known to be good).
 
     Tensors are copied element-wise on local shards (no communication under FSDP2), into pinned host memory on an
-    accelerator, where it costs no device memory: 3x the parameters' bytes with AdamW (weights and two moments). The
-    data stream is not rewound: a rollback drops the batches since the snapshot, the trouble included, as PaLM's
-    restarts skipped theirs. The predictor's state is not kept: it restarts from the restored weights, as after any
-    gap. Nor is the snapshot written to checkpoints: a save asks for the next one at the next accepted step, where
-    the weights and optimizer state are the checkpoint's own, so a resumed run takes the same snapshot there.
+    accelerator, where it costs no device memory: 3x the parameters' bytes with AdamW (weights and two moments). With
+    `replicated` (DDP, where every rank holds the same weights and optimizer state) only rank 0 keeps that copy, and a
+    restore broadcasts it to the others: 3x the parameters once per job instead of once per rank, for one broadcast
+    of it per rollback. The optimizer's step counters (0-dimensional, some of them host tensors that NCCL cannot
+    broadcast) are kept on every rank. The data stream is not rewound: a rollback drops the batches since the
+    snapshot, the trouble included, as PaLM's restarts skipped theirs. The predictor's state is not kept: it restarts
+    from the restored weights, as after any gap. Nor is the snapshot written to checkpoints: a save asks for the next
+    one at the next accepted step, where the weights and optimizer state are the checkpoint's own, so a resumed run
+    takes the same snapshot there.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, replicated: bool = False) -> None:
+        self.replicated = replicated
+        self.holds_copy = not replicated or dist.get_rank() == 0  # whether this rank keeps the parameter-sized copy
         self.weights = WeightSnapshot(on_host=True)
-        self.optimizer_state = WeightSnapshot(on_host=True)
+        self.optimizer_state = WeightSnapshot(on_host=True)  # the parameter-sized entries (AdamW's moments)
+        self.counters = WeightSnapshot(on_host=True)  # the 0-dimensional ones (AdamW's step), on every rank
         self.keys: list[tuple[int, str]] = []  # (parameter index, state key) of each copied optimizer tensor
         self.scalars: list[tuple[int, str, object]] = []  # optimizer state entries that are not tensors
         self.schedule: dict | None = None
@@ -107,10 +113,15 @@ class TrainingSnapshot:
                 schedule: dict) -> None:
         keys, tensors, scalars = _optimizer_entries(params, optimizer)
         if keys != self.keys:  # the buffers are reused, so they are rebuilt only when the state's layout changes
-            self.optimizer_state, self.keys = WeightSnapshot(on_host=True), keys
-        self.weights.capture([local_shard(p) for p in params])
-        if tensors:
-            self.optimizer_state.capture(tensors)
+            self.optimizer_state, self.counters = WeightSnapshot(on_host=True), WeightSnapshot(on_host=True)
+            self.keys = keys
+        state, counters = _split_counters(tensors)
+        if self.holds_copy:
+            self.weights.capture([local_shard(p) for p in params])
+            if state:
+                self.optimizer_state.capture(state)
+        if counters:
+            self.counters.capture(counters)
         self.scalars = scalars
         self.schedule, self.rng = schedule, _rng_state()
         self.step, self.made_up = step, made_up
@@ -124,13 +135,25 @@ class TrainingSnapshot:
                 "Keep the optimizer and its parameter groups fixed during training, or pass "
                 "--hybrid_guard_snapshot_steps 0 to let the guard only skip steps."
             )
-        self.weights.restore([local_shard(p) for p in params])
-        if tensors:
-            self.optimizer_state.restore(tensors)
+        weights = [local_shard(p) for p in params]
+        state, counters = _split_counters(tensors)
+        if self.holds_copy:
+            self.weights.restore(weights)
+            if state:
+                self.optimizer_state.restore(state)
+        if counters:
+            self.counters.restore(counters)
+        if self.replicated:
+            for t in (*weights, *state):
+                dist.broadcast(t, src=0)
         for i, key, value in self.scalars:
             optimizer.state[params[i]][key] = value
         _set_rng_state(self.rng)
         return self.schedule
+
+
+def _split_counters(tensors: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
+    return [t for t in tensors if t.dim()], [t for t in tensors if not t.dim()]
 
 
 def _optimizer_entries(params: list[Tensor], optimizer: torch.optim.Optimizer):

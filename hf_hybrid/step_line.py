@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from .forward_checks import probe_loss
+from .predictors.base import local_shard
 
 SPACING = 4.0  # c: the line is read at 0, 4 and 8 of today's steps, far enough to see a line several steps long
 
@@ -24,10 +25,6 @@ def adam_family(optimizer: torch.optim.Optimizer) -> bool:
     """Whether every parameter group keeps Adam's moments (Adam, AdamW, fused or not), whose next step can be read
     without a gradient."""
     return all("betas" in group and "eps" in group for group in optimizer.param_groups)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t  # an FSDP2 shard
 
 
 @torch.no_grad()
@@ -42,9 +39,9 @@ def _move_along_next_step(optimizer: torch.optim.Optimizer, multiple: float) -> 
             if not state or "exp_avg_sq" not in state:
                 continue
             step = state["step"]  # a tensor, kept as one: no host read per parameter
-            m_hat = _local(state["exp_avg"]) / (1 - beta1**step)
-            denom = (_local(state["exp_avg_sq"]) / (1 - beta2**step)).sqrt_().add_(group["eps"])
-            _local(p).add_(m_hat.div_(denom).mul_(lr).mul_(-multiple))
+            m_hat = local_shard(state["exp_avg"]) / (1 - beta1**step)
+            denom = (local_shard(state["exp_avg_sq"]) / (1 - beta2**step)).sqrt_().add_(group["eps"])
+            local_shard(p).add_(m_hat.div_(denom).mul_(lr).mul_(-multiple))
 
 
 @torch.no_grad()

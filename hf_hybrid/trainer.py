@@ -265,8 +265,6 @@ class HybridMixin:
     # ---- checkpoints --------------------------------------------------------------------------------
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        if self._hybrid is not None and self._hybrid.offloader is not None:
-            self._hybrid.offloader.wait()  # an asynchronous restore may still be writing the state
         super()._save_optimizer_and_scheduler(output_dir)
         if self._hybrid is not None:
             state = self._hybrid.state_dict()

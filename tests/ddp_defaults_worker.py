@@ -58,9 +58,11 @@ def main(out_dir: str, resume_from: str | None) -> None:
     # Each rank keeps its own first micro-batch as the autopilot's probe (the losses on it are averaged across ranks):
     # the rest of its state must be identical.
     autopilot = {k: v for k, v in trainer._lr_autopilot.state_dict().items() if k != "probe"}
+    snapshot = trainer._guard_loop.snapshot
+    held = [*(snapshot.weights.tensors or []), *(snapshot.optimizer_state.tensors or [])]
     result = {"world_size": args.world_size, "hashes": recorder.hashes, "stats": trainer.hybrid_stats(),
-              "lr_autopilot": autopilot,
-              "events": events}
+              "lr_autopilot": autopilot, "events": events,
+              "guard_snapshot_bytes": sum(t.numel() * t.element_size() for t in held)}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     trainer.accelerator.end_training()
 

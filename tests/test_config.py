@@ -56,12 +56,6 @@ def test_plain_training_arguments_get_hybrid_defaults(tmp_path):
         assert getattr(trainer.hybrid_settings, f.name) == getattr(defaults, f.name)
 
 
-def test_offload_with_adam_predictor_is_refused(tmp_path):
-    with pytest.raises(ValueError, match="--hybrid_offload_optimizer_state.*velocity"):
-        HybridTrainingArguments(output_dir=str(tmp_path), hybrid_offload_optimizer_state=True,
-                                hybrid_predictor="adam")
-
-
 def test_flags_the_active_predictor_does_not_read_are_named_in_one_warning(tmp_path, caplog):
     def warnings(**flags) -> list[str]:
         caplog.clear()

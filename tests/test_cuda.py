@@ -1,5 +1,5 @@
 """On a GPU only (skipped elsewhere): predicted steps under bf16 autocast and the fp16 GradScaler, `--hybrid false`
-bit for bit, device memory across many Predict phases, optimizer-state and snapshot offloading, and the trainer under
+bit for bit, device memory across many Predict phases, snapshot offloading, and the trainer under
 FSDP2."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from hf_hybrid import HybridHFTrainer, Phase
 
 from .conftest import hybrid_args, make_trainer, tiny_gpt2, token_dataset
 from .test_equivalence_resume import assert_bit_identical, check_resume_mid_predict, state
-from .test_memory_growth import CycleMemory, OffloadProbe
+from .test_memory_growth import CycleMemory
 from .test_predict import StepRecorder, kept_predicted_steps, train_recorded
 from .test_safety import nan_model, sabotage_fifth_predicted_step
 
@@ -106,37 +106,6 @@ def test_device_memory_does_not_grow_over_many_predict_phases(tmp_out):
     settled = recorder.samples[2:]
     assert len(settled) >= 20
     assert max(settled) == min(settled), settled
-
-
-class OffloadMemoryProbe(OffloadProbe):
-    def __init__(self) -> None:
-        super().__init__()
-        self.allocated = []  # (phase, bytes) at every optimizer step
-
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        super().on_pre_optimizer_step(args, state, control, **kwargs)
-        self.allocated.append((self.trainer._hybrid.record.phase, torch.cuda.memory_allocated()))
-
-
-def test_offloading_optimizer_state_frees_device_memory_and_is_exact(tmp_path):
-    settings = dict(optim="adamw_torch_fused", full_determinism=True, **ON_GPU)
-    reference = tiny_gpt2()
-    make_trainer(tmp_path / "ref", model=reference, **settings).train()
-    probe = OffloadMemoryProbe()
-    model = tiny_gpt2()
-    trainer = make_trainer(tmp_path / "off", model=model, hybrid_offload_optimizer_state=True, **settings)
-    trainer.add_callback(probe)
-    probe.trainer = trainer
-    trainer.train()
-    assert probe.offloaded_by_phase[Phase.PREDICT] == {True}
-    # Once the undo snapshot exists (the first Predict step), a Predict step holds neither gradients nor moments:
-    # at least the moments' bytes less than any later Full step.
-    moments = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
-    first = next(i for i, (phase, _) in enumerate(probe.allocated) if phase is Phase.PREDICT)
-    predict = [b for phase, b in probe.allocated if phase is Phase.PREDICT]
-    full = [b for phase, b in probe.allocated[first:] if phase is Phase.FULL]
-    assert full and max(predict) <= min(full) - moments, probe.allocated
-    assert_bit_identical(state(reference), state(model))
 
 
 class StepEndMemory(TrainerCallback):

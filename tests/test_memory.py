@@ -1,12 +1,9 @@
-import copy
 import types
-import weakref
 
-import pytest
 import torch
 
 from hf_hybrid import memory
-from hf_hybrid.memory import OptimizerStateOffloader, VramMonitor
+from hf_hybrid.memory import VramMonitor
 
 MIB = 2**20
 
@@ -145,105 +142,3 @@ def test_shutdown_releases_nvml_once(monkeypatch):
     assert nvml.shutdowns == 1
     assert not monitor.available
     assert monitor.metrics() == {}
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().reshape(-1).view(torch.uint8)
-
-
-def assert_state_equal(actual: dict, expected: dict) -> None:
-    assert actual.keys() == expected.keys()
-    for key, value in expected.items():
-        assert actual[key].dtype == value.dtype and actual[key].device == value.device, key
-        assert torch.equal(bits(actual[key]), bits(value)), key
-
-
-def trained_adamw(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.AdamW]:
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 2))
-    model[1].to(torch.bfloat16)  # state dtypes follow their parameters: keep one that is not float32
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for _ in range(3):
-        train_step(model, optimizer)
-    return model, optimizer
-
-
-def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    torch.manual_seed(123)
-    hidden = model[0](torch.randn(5, 8))
-    model[1](hidden.to(torch.bfloat16)).float().pow(2).mean().backward()
-    optimizer.step()
-    optimizer.zero_grad()
-
-
-def test_offload_of_cpu_state_is_a_no_op_by_default():
-    _, optimizer = trained_adamw()
-    before = {id(t) for state in optimizer.state.values() for t in state.values()}
-    offloader = OptimizerStateOffloader(optimizer)
-    offloader.offload()
-    assert not offloader.is_offloaded
-    assert {id(t) for state in optimizer.state.values() for t in state.values()} == before
-
-
-def test_adamw_state_round_trips_bit_exactly():
-    model, optimizer = trained_adamw()
-    reference_model, reference = trained_adamw()
-    snapshot = copy.deepcopy(optimizer.state_dict()["state"])
-    originals = [weakref.ref(t) for state in optimizer.state.values() for t in state.values()]
-    assert {"step", "exp_avg", "exp_avg_sq"} <= set(snapshot[0])
-
-    offloader = OptimizerStateOffloader(optimizer, include_cpu_state=True)
-    offloader.offload()
-    assert offloader.is_offloaded
-    assert all(ref() is None for ref in originals), "the state still holds the tensors it offloaded"
-    for index, state in enumerate(optimizer.state.values()):
-        assert_state_equal(state, snapshot[index])
-
-    offloader.restore()
-    offloader.wait()
-    assert not offloader.is_offloaded
-    buffers = {b.data_ptr() for b in offloader._buffers.values()}
-    for index, state in enumerate(optimizer.state.values()):
-        assert_state_equal(state, snapshot[index])
-        assert not {t.data_ptr() for t in state.values()} & buffers, "restored state aliases the host buffers"
-
-    # The restored state must drive the optimizer exactly as if it had never left.
-    for _ in range(2):
-        train_step(model, optimizer)
-        train_step(reference_model, reference)
-    for p, q in zip(model.parameters(), reference_model.parameters(), strict=True):
-        assert torch.equal(bits(p), bits(q))
-
-
-def test_host_buffers_are_reused_across_offloads():
-    _, optimizer = trained_adamw()
-    offloader = OptimizerStateOffloader(optimizer, include_cpu_state=True)
-    offloader.offload()
-    first = {key: b.data_ptr() for key, b in offloader._buffers.items()}
-    offloader.offload()  # already offloaded: a no-op
-    assert len(offloader._offloaded) == len(first)
-    offloader.restore(non_blocking=False)
-    offloader.offload()
-    assert {key: b.data_ptr() for key, b in offloader._buffers.items()} == first
-    assert len(first) == sum(len(state) for state in optimizer.state.values())
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_state_round_trips_through_pinned_memory():
-    torch.manual_seed(0)
-    model = torch.nn.Linear(1024, 1024, device="cuda")
-    optimizer = torch.optim.AdamW(model.parameters(), fused=True)  # fused keeps `step` on the GPU too
-    model(torch.randn(8, 1024, device="cuda")).sum().backward()
-    optimizer.step()
-    snapshot = copy.deepcopy(optimizer.state_dict()["state"])
-    torch.cuda.synchronize()
-    allocated = torch.cuda.memory_allocated()
-
-    offloader = OptimizerStateOffloader(optimizer)
-    offloader.offload()
-    assert torch.cuda.memory_allocated() <= allocated - 2 * 1024 * 1024 * 4
-    assert all(t.is_pinned() for state in optimizer.state.values() for t in state.values())
-    offloader.restore()
-    offloader.wait()
-    for index, state in enumerate(optimizer.state.values()):
-        assert_state_equal(state, snapshot[index])

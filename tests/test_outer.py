@@ -13,6 +13,7 @@ from transformers import TrainerCallback
 from hf_hybrid import HybridHFTrainer, Phase
 from hf_hybrid.jump import JumpLifecycle
 from hf_hybrid.payoff import PayoffMeter
+from hf_hybrid.predictors.outer import OuterMomentumPredictor
 
 from .conftest import flat_params, hybrid_args, make_trainer, reject_every_jump, tiny_gpt2, token_dataset
 from .test_equivalence_resume import assert_bit_identical, state
@@ -177,3 +178,12 @@ def test_made_up_steps_write_the_trainers_checkpoints_and_no_extra_one(tmp_path,
     saved = sorted(int(p.name.split("-")[1]) for p in tmp_path.glob("checkpoint-*"))
     counted_tenth = next(i + 1 for i in range(len(rows)) if i + 1 - sum(r["rollback"] for r in rows[:i + 1]) == 10)
     assert saved == [counted_tenth, trainer.state.global_step]
+
+
+def test_a_checkpoint_written_for_other_parameters_is_refused_with_a_remedy():
+    saved_params = [torch.zeros(4, requires_grad=True), torch.zeros(2, 2, requires_grad=True)]
+    saved = OuterMomentumPredictor(saved_params, torch.optim.AdamW(saved_params)).state_dict()
+    params = [torch.zeros(3, requires_grad=True), torch.zeros(2, 2, requires_grad=True)]
+    predictor = OuterMomentumPredictor(params, torch.optim.AdamW(params))
+    with pytest.raises(ValueError, match="outer momentum .* delete the checkpoint's hybrid_\\*.pt files"):
+        predictor.load_state_dict(saved)

@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .base import Predictor, local_shard
+from .base import StepwisePredictor, local_shard
 
 
-class AdamPredictor(Predictor):
+class AdamPredictor(StepwisePredictor):
     name = "adam"
     uses_updates = False
 
@@ -26,7 +26,9 @@ class AdamPredictor(Predictor):
                 self.groups[id(p)] = group
         missing = [i for i, p in enumerate(params) if id(p) not in self.groups]
         if missing:
-            raise ValueError(f"hybrid_predictor='adam': {len(missing)} trainable parameters are not in the optimizer")
+            raise ValueError(f"hybrid_predictor='adam': {len(missing)} trainable parameters are not in the optimizer, "
+                             "whose moments it reads. Give the optimizer every trainable parameter, or use "
+                             "--hybrid_predictor outer (the default).")
         if not any(k in optimizer.defaults for k in ("betas",)):
             raise ValueError(
                 f"hybrid_predictor='adam' needs an Adam-family optimizer (exp_avg/exp_avg_sq state); got "

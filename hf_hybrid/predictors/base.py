@@ -1,4 +1,5 @@
-"""The predictor interface: a new predictor is one file with one subclass.
+"""The predictor interface: a new predictor is one file with one subclass, of `Predictor` for a jump of its own
+(outer) or of `StepwisePredictor` for one that extrapolates one optimizer step at a time (velocity, adam).
 
 Every input a predictor sees is rank-identical: the parameters, the real update of the last optimizer
 step (computed from all-reduced gradients), and the optimizer's state. Tensors are the local ones
@@ -6,12 +7,12 @@ step (computed from all-reduced gradients), and the optimizer's state. Tensors a
 predicting needs no communication and ranks stay bit-identical. No predictor here needs a full tensor;
 one that does must gather it itself, and say what that costs.
 
-Residual correction is shared: on a Correct step the real update is compared with what the predictor
-would have applied, and a per-tensor gain is refitted by least squares (projection of the real update
-on the predicted one, clamped and smoothed). The gain shrinks directions that real steps do not
-follow; the relative residual is logged as `hybrid/prediction_error`. Under FSDP2 the fit's three
-sums per tensor are summed over the shards in one small all-reduce (3 float64 numbers per tensor,
-Correct steps only), so every rank fits the same gains as an unsharded run would.
+Residual correction is shared by the stepwise predictors: on a Correct step the real update is compared
+with what the predictor would have applied, and a per-tensor gain is refitted by least squares
+(projection of the real update on the predicted one, clamped and smoothed). The gain shrinks directions
+that real steps do not follow; the relative residual is logged as `hybrid/prediction_error`. Under FSDP2
+the fit's three sums per tensor are summed over the shards in one small all-reduce (3 float64 numbers
+per tensor, Correct steps only), so every rank fits the same gains as an unsharded run would.
 """
 
 from __future__ import annotations
@@ -40,15 +41,12 @@ class Predictor(ABC):
     # the engine does not measure updates at all, so a run whose jumps keep being rejected (long back-off) or a long
     # warmup does not pay for them; the predictor is restarted when its window opens.
     history_steps: int | None = None
-    gain_smoothing: ClassVar[float] = 0.3
-    max_gain: ClassVar[float] = 2.0
 
     def __init__(self, params: list[Tensor], optimizer: torch.optim.Optimizer) -> None:
         self.params = params
         self.optimizer = optimizer
-        self.gains = torch.ones(len(params), dtype=torch.float64)
         self.observed = 0
-        self.last_residual: float | None = None
+        self.last_residual: float | None = None  # a stepwise predictor's last Correct-step residual
         self.shard_groups = _shard_groups(params)
 
     @property
@@ -81,6 +79,29 @@ class Predictor(ABC):
 
     def jump_undone(self) -> None:  # noqa: B027 - optional hook
         """The jump was rolled back: the weights are back where it began."""
+
+    @abstractmethod
+    def apply_(self, lr: float) -> None:
+        """Apply one predicted step to the parameters' local shards, in place."""
+
+    def state_dict(self) -> dict:
+        return {"observed": self.observed, "last_residual": self.last_residual}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.observed = state["observed"]
+        self.last_residual = state["last_residual"]
+
+
+class StepwisePredictor(Predictor):
+    """A predictor of the next optimizer step's update, tensor by tensor (`direction`), scaled by a per-tensor gain
+    that the Correct steps refit (the module docstring)."""
+
+    gain_smoothing: ClassVar[float] = 0.3
+    max_gain: ClassVar[float] = 2.0
+
+    def __init__(self, params: list[Tensor], optimizer: torch.optim.Optimizer) -> None:
+        super().__init__(params, optimizer)
+        self.gains = torch.ones(len(params), dtype=torch.float64)
 
     @abstractmethod
     def direction(self, index: int, param: Tensor, lr: float) -> Tensor:
@@ -120,12 +141,25 @@ class Predictor(ABC):
         return self.last_residual
 
     def state_dict(self) -> dict:
-        return {"gains": self.gains.clone(), "observed": self.observed, "last_residual": self.last_residual}
+        return {**super().state_dict(), "gains": self.gains.clone()}
 
     def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
         self.gains = state["gains"].clone()
-        self.observed = state["observed"]
-        self.last_residual = state["last_residual"]
+
+
+@torch.no_grad()
+def load_tensors(live: list[Tensor], saved: list[Tensor], what: str) -> None:
+    """Copy a checkpoint's parameter-sized tensors into this run's buffers, refusing a layout that does not match."""
+    if len(saved) != len(live) or any(s.shape != t.shape for s, t in zip(saved, live)):
+        raise ValueError(
+            f"the checkpoint's {what} ({len(saved)} tensors) does not match this run's trainable parameters "
+            f"({len(live)} tensors, or other shapes). Resume with the model, trainable parameters and (under FSDP2) "
+            "number of ranks it was saved with, or delete the checkpoint's hybrid_*.pt files to resume without the "
+            "hybrid state."
+        )
+    for t, s in zip(live, saved):
+        t.copy_(s)
 
 
 def local_shard(t: Tensor) -> Tensor:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .base import Predictor, local_shard
+from .base import Predictor, load_tensors, local_shard
 
 
 class OuterMomentumPredictor(Predictor):
@@ -75,9 +75,6 @@ class OuterMomentumPredictor(Predictor):
     def release(self) -> None:
         self.anchor, self.buf = None, []
 
-    def direction(self, index: int, param: Tensor, lr: float) -> Tensor:
-        raise NotImplementedError("the outer step is a whole-cycle jump; it has no per-step direction")
-
     @torch.no_grad()
     def apply_(self, lr: float) -> None:
         shards = self._shards()
@@ -107,9 +104,8 @@ class OuterMomentumPredictor(Predictor):
         super().load_state_dict(state)
         if state["anchor"]:
             self.set_anchor()  # allocates the buffers where this run keeps them
-            torch._foreach_copy_(self.anchor, [t.to(a.device) for t, a in zip(state["anchor"], self.anchor)])
+            load_tensors(self.anchor, state["anchor"], "outer anchor")
         else:
             self.anchor = None
-        for b, saved in zip(self.buf, state["buf"]):
-            b.copy_(saved)
+        load_tensors(self.buf, state["buf"], "outer momentum")
         self.cycle_steps = state.get("cycle_steps", 0)  # absent from checkpoints written before it was counted

@@ -10,12 +10,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .base import Predictor, local_shard
+from .base import StepwisePredictor, load_tensors, local_shard
 
 
-class VelocityPredictor(Predictor):
+class VelocityPredictor(StepwisePredictor):
     name = "velocity"
-    flags = (*Predictor.flags, "hybrid_velocity_beta")
+    flags = (*StepwisePredictor.flags, "hybrid_velocity_beta")
 
     def __init__(self, params: list[Tensor], optimizer: torch.optim.Optimizer, beta: float = 0.95) -> None:
         super().__init__(params, optimizer)
@@ -47,5 +47,4 @@ class VelocityPredictor(Predictor):
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
-        for v, saved in zip(self.velocity, state["velocity"]):
-            v.copy_(saved)
+        load_tensors(self.velocity, state["velocity"], "velocity")
