@@ -1,6 +1,7 @@
 """Run under `torch.distributed.run --nproc_per_node 2` (gloo, CPU): the hybrid engine on an FSDP2-sharded model.
 
-The engine is driven through the same calls, in the same order, as `HybridHFTrainer` makes them. A replicated
+The engine is driven through the same calls, in the same order, as `HybridHFTrainer` makes them, and the guard's
+snapshot is taken, a step skipped and the snapshot restored as the guard would. A replicated
 reference model, trained on the same batches by its own engine, shows what every weight should be. accelerate runs
 FSDP only on CUDA (on CPU it falls back to DDP), so this drives `fully_shard` directly; tests/test_cuda.py runs the
 trainer itself under `accelerate launch` with FSDP2 on a GPU.
@@ -27,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from hf_hybrid import Phase  # noqa: E402
 from hf_hybrid.config import HYBRID_FIELDS  # noqa: E402
 from hf_hybrid.engine import HybridEngine  # noqa: E402
+from hf_hybrid.snapshot import TrainingSnapshot  # noqa: E402
 from tests.conftest import FAST_SCHEDULE, tiny_gpt2, token_dataset  # noqa: E402
 
 LR = 3e-3
@@ -60,6 +62,7 @@ class Run:
         self.engine = HybridEngine(settings, [p for p in model.parameters() if p.requires_grad], self.optimizer)
         self.collectives = {"predict": 0, "residual": 0, "other": 0}
         self.correct_steps = 0
+        self.guard = TrainingSnapshot()  # FSDP2: each rank keeps its own shards
 
     @contextlib.contextmanager
     def counted(self, kind: str = "other"):
@@ -69,7 +72,9 @@ class Run:
             yield
         self.collectives[kind] += counter.count
 
-    def step(self, step: int, batch: dict) -> Phase:
+    def step(self, step: int, batch: dict, reject: bool = False, guard: str | None = None) -> Phase:
+        """`reject`: roll a jump back at its step, as the probe's verdict would. `guard`: "snapshot", "skip" or
+        "rollback", what the guard does on this real step."""
         engine = self.engine
         with self.counted():
             engine.begin_step(step)
@@ -77,16 +82,28 @@ class Run:
             with self.counted("predict"):
                 engine.apply_prediction(LR)
                 engine.check_predict_step(None)
+                if reject:
+                    engine.rollback()
         else:
             loss = self.model(**batch).loss
             loss.backward()
             with self.counted():
-                engine.check_real_step(loss.item(), None, LR)
+                if guard == "snapshot":
+                    self.guard.capture(step, engine.made_up_steps, engine.params, self.optimizer, {})
+                if guard in ("skip", "rollback"):
+                    engine.skip_step(diverged=False)
+                else:
+                    engine.check_real_step(loss.item(), None, LR)
                 engine.before_optimizer_step(LR)
-            self.optimizer.step()
-            self.correct_steps += engine.phase is Phase.CORRECT
-            with self.counted("residual" if engine.phase is Phase.CORRECT else "other"):
-                engine.after_optimizer_step(LR)
+            if guard == "rollback":
+                with self.counted():
+                    self.guard.restore(engine.params, self.optimizer)
+                    engine.weights_restored()
+            elif guard != "skip":
+                self.optimizer.step()
+                self.correct_steps += engine.phase is Phase.CORRECT
+                with self.counted("residual" if engine.phase is Phase.CORRECT else "other"):
+                    engine.after_optimizer_step(LR)
             self.optimizer.zero_grad(set_to_none=True)
         phase = engine.phase
         with self.counted():
@@ -97,7 +114,7 @@ class Run:
 def main(out_dir: str, predictor: str) -> None:
     dist.init_process_group("gloo")
     settings = SimpleNamespace(**{f.name: f.default for f in HYBRID_FIELDS})
-    settings.__dict__.update(FAST_SCHEDULE, hybrid_predictor=predictor)
+    settings.__dict__.update(FAST_SCHEDULE, hybrid_predictor=predictor, hybrid_outer_period=3)
     torch.manual_seed(0)
     model = tiny_gpt2()
     reference = Run(copy.deepcopy(model), settings)
@@ -111,11 +128,30 @@ def main(out_dir: str, predictor: str) -> None:
     # The same batch on every rank: averaged gradients then equal the reference's, so the weights must match.
     batches = [{k: torch.tensor(data[i * 8:(i + 1) * 8][k]) for k in ("input_ids", "labels")} for i in range(8)]
 
-    max_diff, predicted, rolled_back = 0.0, 0, False
+    # Between the warmup and the first jump: the guard's snapshot before step 5's update, a skipped step 6 and a
+    # rollback at step 7, back to the snapshot.
+    guard_plan = {5: "snapshot", 6: "skip", 7: "rollback"}
+    max_diff, predicted, rolled_back, restored, skipped = 0.0, 0, False, False, False
     for step in range(30):
         batch = batches[step % len(batches)]
-        phase = sharded.step(step, batch)
-        assert reference.step(step, batch) is phase
+        # The outer jump is one step long: its rollback comes inside the step, as the probe's would.
+        reject = predictor == "outer" and not rolled_back and sharded.engine.controller.phase is Phase.PREDICT
+        guard = guard_plan.get(step)
+        if guard is not None and sharded.engine.controller.phase is not Phase.FULL:
+            guard_plan[step + 1] = guard  # on a Full step: a Predict step has no guard, a Correct step an open jump
+            guard = None
+        before = full_state(reference.model)
+        phase = sharded.step(step, batch, reject, guard)
+        assert reference.step(step, batch, reject, guard) is phase
+        after = full_state(reference.model)
+        if reject:
+            rolled_back = all(torch.equal(after[k], before[k]) for k in before)
+        if guard == "snapshot":
+            at_snapshot = before
+        elif guard == "skip":
+            skipped = all(torch.equal(after[k], before[k]) for k in before)
+        elif guard == "rollback":
+            restored = all(torch.equal(after[k], at_snapshot[k]) for k in before)
         predicted += phase is Phase.PREDICT
         if phase is Phase.PREDICT and not rolled_back and sharded.engine.controller.phase is Phase.PREDICT:
             # Undo one phase midway, as the divergence monitor would: both must return to their snapshot.
@@ -144,6 +180,8 @@ def main(out_dir: str, predictor: str) -> None:
         "correct_steps": sharded.correct_steps,
         "predict_steps": predicted,
         "rolled_back": rolled_back,
+        "guard_skipped": skipped,
+        "guard_restored": restored,
         "max_abs_diff": max_diff,
         "rank": dist.get_rank(),
     }
