@@ -182,7 +182,7 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
         if record.phase is Phase.PREDICT and not record.rollback and self.controller.phase is not Phase.PREDICT:
             self.predictor.jump_kept()
         if self.controller.phase is not Phase.PREDICT and self.controller.phase is not Phase.CORRECT:
-            self.snapshot.valid = False
+            self.snapshot.release()
             self.replay.settle()
             self.jump_start_step = self.schedule_at_jump = None
         self._predicted = None

@@ -90,7 +90,7 @@ class JumpLifecycle:
         """Undo the Predict phase: last good weights, back to Full."""
         if self.snapshot.valid:
             self.snapshot.restore(self._shards())
-            self.snapshot.valid = False
+            self.snapshot.release()
             self.predictor.jump_undone()
         self.payoff.cancel()
         self.replay.give_back()
@@ -109,6 +109,6 @@ class JumpLifecycle:
         """At the end of training: a jump still awaiting its probe verdict is undone."""
         if self.probe is not None and self.snapshot.valid:
             self.snapshot.restore(self._shards())
-            self.snapshot.valid = False
+            self.snapshot.release()
             self.probe = self.probe_loss = None
 

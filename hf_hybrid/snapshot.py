@@ -14,8 +14,10 @@ from .predictors.base import load_tensors, local_shard
 
 
 class WeightSnapshot:
-    """A copy of a list of tensors (parameters, optimizer state) to undo a change bit-exactly. Buffers are reused,
-    never regrown.
+    """A copy of a list of tensors (parameters, optimizer state) to undo a change bit-exactly. Buffers are reused
+    between captures until `release`: the jump's undo copy is released as soon as the jump is judged, so that it
+    exists only on steps without gradients (a Predict step, a reading after the optimizer step), whose memory it
+    takes instead of adding to the peak of a real step.
 
     With `on_host`, every accelerator tensor is copied into pinned host memory instead, decided tensor by tensor (an
     optimizer's state mixes device moments with a host `step` count): no device memory, for a device-to-host copy at

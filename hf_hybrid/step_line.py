@@ -7,8 +7,8 @@ the curvature it meets to its square), so it reads the LR itself, where the line
 measured on cpu-finetune from step 60, a parabola bottom at 0-0.5 steps at the swept LR and 10-270 steps at a
 twentieth of it (docs/benchmarks.md, session 14).
 
-Three forwards and one copy of the weights (the jump's undo buffer, free outside a Predict phase, or borrowed for the
-reading once prediction has retired); the weights come back bit for bit.
+Three forwards and one copy of the weights (the jump's undo copy, which exists only while it is in use), made after
+the optimizer step, when the gradients it stands in for are freed; the weights come back bit for bit.
 """
 
 from __future__ import annotations
@@ -48,16 +48,12 @@ def _move_along_next_step(optimizer: torch.optim.Optimizer, multiple: float) -> 
 def next_step_line(trainer, model: torch.nn.Module, engine, probe: dict) -> list[torch.Tensor]:
     """The probe's loss at the weights W, at W + c*step and at W + 2c*step (c = SPACING), unreduced across ranks."""
     shards = engine._shards()
-    held = engine.snapshot.tensors is not None  # a retired engine gave its buffer back: borrow one for the reading
-    engine.snapshot.capture(shards)
+    engine.snapshot.capture(shards)  # the jump's undo copy, free outside a jump
     optimizer = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
     losses = [probe_loss(trainer, model, probe)]
     for _ in range(2):
         _move_along_next_step(optimizer, SPACING)
         losses.append(probe_loss(trainer, model, probe))
     engine.snapshot.restore(shards)
-    if held:
-        engine.snapshot.valid = False  # the copy was ours: no jump is open
-    else:
-        engine.snapshot.release()
+    engine.snapshot.release()
     return losses

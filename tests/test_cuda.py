@@ -105,7 +105,10 @@ def test_device_memory_does_not_grow_over_many_predict_phases(tmp_out):
     assert trainer.hybrid_stats()["predict_steps"] >= 100
     settled = recorder.samples[2:]
     assert len(settled) >= 20
-    assert max(settled) == min(settled), settled
+    # The undo copy exists only while a jump is open (a cycle followed by another Predict phase holds it): the later
+    # cycles hold no more than the earlier ones.
+    half = len(settled) // 2
+    assert max(settled[half:]) <= max(settled[:half]), settled
 
 
 class StepEndMemory(TrainerCallback):

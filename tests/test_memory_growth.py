@@ -48,6 +48,9 @@ def test_memory_does_not_grow_over_many_predict_phases(tmp_out):
     assert trainer.hybrid_stats()["predict_steps"] >= 30
     samples = recorder.samples
     assert len(samples) >= 8
-    # Buffers (snapshot, anchor, velocity, dynamics) are allocated in the first cycles, then only reused.
+    # Buffers (anchor, velocity, dynamics) are allocated in the first cycles, then only reused; the undo copy exists
+    # only while a jump is open, so a cycle followed by another Predict phase holds it and one followed by Full does
+    # not. Nothing grows: the later cycles hold no more than the earlier ones.
     settled = samples[2:]
-    assert max(settled) - min(settled) <= 64 * 1024, settled
+    half = len(settled) // 2
+    assert max(settled[half:]) <= max(settled[:half]) + 64 * 1024, settled
