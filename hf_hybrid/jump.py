@@ -8,12 +8,39 @@ and ends with the probe's verdict; a jump that does not pay is rolled back bit f
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
-from .controller import Phase
+from .controller import Phase, PhaseController
+
+if TYPE_CHECKING:
+    from .divergence import DivergenceMonitor
+    from .dynamics import LossDynamicsModel
+    from .engine import StepRecord
+    from .payoff import PayoffMeter
+    from .predictors.base import Predictor
+    from .replay import BatchReplay
+    from .snapshot import WeightSnapshot
 
 
 class JumpLifecycle:
-    """Open, watch, judge and undo a Predict phase. Mixed into `HybridEngine`, whose attributes it uses."""
+    """Open, watch, judge and undo a Predict phase. Mixed into `HybridEngine`; what it uses of the engine is
+    declared below (`_shards()` and `_release()` too)."""
+
+    settings: object  # the hybrid_* flags
+    controller: PhaseController
+    predictor: Predictor
+    snapshot: WeightSnapshot  # the undo copy of the weights
+    payoff: PayoffMeter
+    replay: BatchReplay
+    monitor: DivergenceMonitor
+    dynamics: LossDynamicsModel
+    record: StepRecord  # the optimizer step under way
+    probe: dict | None
+    probe_loss: float | None
+    band: tuple[list[float], list[float]]
+    jump_start_step: int | None
+    undone_steps: int
+    made_up_steps: int
 
     def open_jump(self, step: int) -> None:
         """At a Predict phase's first step: keep what is needed to undo it."""

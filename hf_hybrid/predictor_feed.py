@@ -7,13 +7,28 @@ owns the predictor, the controller and the step record it reads.
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
-from .controller import Phase
+import torch
+from torch import Tensor
+
+from .controller import Phase, PhaseController
+
+if TYPE_CHECKING:
+    from .engine import StepRecord
+    from .predictors.base import Predictor
 
 
 class PredictorFeed:
-    """Measure real updates for the predictor. Mixed into `HybridEngine`, whose attributes it uses."""
+    """Measure real updates for the predictor. Mixed into `HybridEngine`; what it uses of the engine is declared
+    below (`_shards()` too)."""
+
+    predictor: Predictor
+    controller: PhaseController
+    record: StepRecord  # the optimizer step under way
+    _anchor: list[Tensor] | None  # the parameters before the optimizer step, while it runs
+    _predicted: list[Tensor] | None  # on a Correct step, what the predictor would have applied
+    _measured_last: bool  # whether the last real step's update was measured (False: a gap since)
 
     @torch.no_grad()
     def before_optimizer_step(self, lr: float) -> None:
