@@ -91,9 +91,11 @@ class HybridTrainingArguments(TrainingArguments):
         hybrid_vram_min_free_mb (`float`, defaults to `0.0`):
             On a GPU, ask for a checkpoint when free memory falls below this many MB. 0 turns it off.
         hybrid_offload_snapshot (`bool`, defaults to `False`):
-            Keep the copy of the weights that undoes a Predict phase in pinned host memory rather than on the GPU:
-            one parameter-sized buffer less of device memory, for a device-to-host copy of the weights at each
-            Predict phase's start and a copy back at each rollback. No effect on CPU.
+            Keep the copy of the weights that undoes a Predict phase in pinned host memory rather than on the GPU,
+            for a device-to-host copy of the weights at each Predict phase's start and a copy back at each rollback.
+            It lowers the device peak by one parameter-sized buffer only for `velocity` and `adam`, whose jumps stay
+            open through their Correct steps: the copy exists only until a jump is judged, so with `outer` it never
+            meets the gradients of a real step. No effect on CPU.
         hybrid_guard (`bool`, defaults to `True`):
             Guard every real optimizer step. A step whose loss or gradient norm is not finite, or is an outlier
             against the recent steps, is skipped: its update is vetoed (weights, optimizer state, learning-rate
