@@ -131,6 +131,11 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
             self.dynamics.observe(loss, grad_norm, lr)
         return False
 
+    def start_cycle(self) -> bool:
+        """At a real step that passed every check, before its update: the predictor's next cycle starts here if one is
+        due (after a jump's verdict or a rollback). Returns whether it did, for the guard's snapshot."""
+        return not self.controller.retired and self.predictor.move_anchor()
+
     def skip_step(self, diverged: bool) -> None:
         """This real step's update is vetoed (`diverged`: a non-finite loss or gradient norm; otherwise the guard's
         verdict on a finite outlier). A jump still open is suspect too."""
@@ -180,7 +185,7 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
         else:
             self.controller.phase_steps[record.phase.value] += 1
         if record.phase is Phase.PREDICT and not record.rollback and self.controller.phase is not Phase.PREDICT:
-            self.predictor.jump_kept()
+            self.predictor.jump_kept(self.snapshot.tensors)
         if self.controller.phase is not Phase.PREDICT and self.controller.phase is not Phase.CORRECT:
             self.snapshot.release()
             self.replay.settle()

@@ -67,16 +67,6 @@ class GuardAtLoop:
         jump_open = engine.snapshot.valid
         if event is None:
             self.reference = self.inputs
-            snapshot = self.snapshot
-            every = trainer.hybrid_settings.hybrid_guard_snapshot_steps
-            periodic = not snapshot.valid or (step - snapshot.step >= every and not self.snapshot_held)
-            due = every and (self.snapshot_asked or periodic)
-            # Never inside a jump: the engine may still reject it, and a snapshot would bring it back. Not before the
-            # optimizer has state either: AdamW creates it at its first step, and a resumed run has it from the start.
-            if due and not jump_open and engine.optimizer.state:
-                snapshot.capture(step, engine.made_up_steps, engine.params, engine.optimizer,
-                                 trainer._hybrid_steps.schedule_state())
-                self.snapshot_asked = False
             return False
         if jump_open:
             event.action = Action.SKIP  # the engine rolls the jump back, to weights known to be good
@@ -91,6 +81,36 @@ class GuardAtLoop:
         scaler_state = scaler.state_dict() if scaler is not None and not diverged else None
         self.pending = (event, scaler_state)
         return True
+
+    def accepted(self, cycle_started: bool) -> None:
+        """A real step passed every check; before its update, take the snapshot when one is due.
+
+        While the predictor keeps a copy of the weights (the outer anchor, `cycle_started` where it just moved), the
+        snapshot is taken where each cycle starts, on that copy, and holds only the optimizer state of its own.
+        Otherwise, every `hybrid_guard_snapshot_steps` steps, with a copy of its own. A save or a learning-rate raise
+        asks for one at the next accepted step, which a resumed run takes at that step too: a copy of its own (1x the
+        parameters more) until the next cycle starts, unless a raise on trial holds it as its undo point."""
+        trainer, engine, snapshot = self.trainer, self.trainer._hybrid, self.snapshot
+        step = trainer.state.global_step
+        every = trainer.hybrid_settings.hybrid_guard_snapshot_steps
+        # Not before the optimizer has state (AdamW creates it at its first step; a resumed run has it from the
+        # start), and never inside a jump: the engine may still reject it, and a snapshot would bring it back.
+        possible = every and engine.optimizer.state and not engine.snapshot.valid
+        held = engine.predictor.held_weights()
+        due = self.snapshot_asked or not snapshot.valid
+        if cycle_started:
+            due = due or not (self.snapshot_held and not snapshot.on_held_weights)
+        elif held is None:
+            due = due or (step - snapshot.step >= every and not self.snapshot_held)
+        if due and possible:
+            # An asked-for snapshot, or a raise's undo point, keeps a copy of its own: a trial holds it across the next
+            # cycle start (and a run resumed mid-trial takes its first one as the trial's too).
+            own = self.snapshot_asked or self.snapshot_held or not cycle_started
+            snapshot.capture(step, engine.made_up_steps, engine.params, engine.optimizer,
+                             trainer._hybrid_steps.schedule_state(), held_weights=None if own else held)
+            self.snapshot_asked = False
+        elif cycle_started and snapshot.on_held_weights:
+            snapshot.invalidate()  # its weights were the anchor, which just moved
 
     def _reference_signals(self, model) -> tuple[torch.Tensor, torch.Tensor]:
         """Loss and gradient norm of the last accepted step's batches at the current weights, over its whole

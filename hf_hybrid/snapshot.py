@@ -29,6 +29,7 @@ class WeightSnapshot:
         self.on_host = on_host
         self.tensors: list[Tensor] | None = None
         self.valid = False
+        self.adopted = False  # the tensors are another owner's copy (`adopt`), never written here
         self._copied: torch.cuda.Event | None = None  # the last device-to-host copy, for host reads
 
     def _buffer(self, t: Tensor) -> Tensor:
@@ -36,8 +37,16 @@ class WeightSnapshot:
             return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         return torch.empty_like(t)
 
+    def adopt(self, tensors: list[Tensor]) -> None:
+        """Stand for a copy that another part already holds: `tensors` hold the values to keep, and their owner leaves
+        them unchanged while this copy is valid. Costs no memory and no copy; a later `capture` takes buffers of its
+        own."""
+        self.tensors, self.valid, self._copied, self.adopted = tensors, True, None, True
+
     @torch.no_grad()
     def capture(self, tensors: list[Tensor]) -> None:
+        if self.adopted:
+            self.release()
         if self.tensors is None:
             self.tensors = [self._buffer(t) for t in tensors]
         if self.on_host and any(t.is_cuda for t in tensors):  # per tensor: the multi-tensor copy is for one device
@@ -59,7 +68,7 @@ class WeightSnapshot:
             torch._foreach_copy_(tensors, self.tensors)
 
     def release(self) -> None:
-        self.tensors, self.valid, self._copied = None, False, None
+        self.tensors, self.valid, self._copied, self.adopted = None, False, None, False
 
     def state_dict(self) -> dict:
         """The copy as it stands, for a checkpoint that is written at once: host buffers are handed over, not cloned,
@@ -84,14 +93,15 @@ class TrainingSnapshot:
 
     Tensors are copied element-wise on local shards (no communication under FSDP2), into pinned host memory on an
     accelerator, where it costs no device memory: 3x the parameters' bytes with AdamW (weights and two moments). With
-    `replicated` (DDP, where every rank holds the same weights and optimizer state) only rank 0 keeps that copy, and a
-    restore broadcasts it to the others: 3x the parameters once per job instead of once per rank, for one broadcast
-    of it per rollback. The optimizer's step counters (0-dimensional, some of them host tensors that NCCL cannot
-    broadcast) are kept on every rank. The data stream is not rewound: a rollback drops the batches since the
-    snapshot, the trouble included, as PaLM's restarts skipped theirs. The predictor's state is not kept: it restarts
-    from the restored weights, as after any gap. Nor is the snapshot written to checkpoints: a save asks for the next
-    one at the next accepted step, where the weights and optimizer state are the checkpoint's own, so a resumed run
-    takes the same snapshot there.
+    `held_weights` (the outer predictor's anchor, taken at the same point) the weights are not copied again: the
+    snapshot stands on that copy, and only the moments are its own (2x). With `replicated` (DDP, where every rank holds
+    the same weights and optimizer state) only rank 0 keeps its own copies, and a restore broadcasts them to the
+    others: once per job instead of once per rank, for one broadcast per rollback. The optimizer's step counters
+    (0-dimensional, some of them host tensors that NCCL cannot broadcast) are kept on every rank. The data stream is
+    not rewound: a rollback drops the batches since the snapshot, the trouble included, as PaLM's restarts skipped
+    theirs. The predictor's state is not kept: it restarts from the restored weights, as after any gap. Nor is the
+    snapshot written to checkpoints: a save asks for the next one at the next accepted step, where the weights and
+    optimizer state are the checkpoint's own, so a resumed run takes the same snapshot there.
     """
 
     def __init__(self, replicated: bool = False) -> None:
@@ -111,17 +121,29 @@ class TrainingSnapshot:
     def valid(self) -> bool:
         return self.step is not None
 
+    @property
+    def on_held_weights(self) -> bool:
+        """Whether the weights are the predictor's copy, which moves with its next cycle."""
+        return self.weights.adopted
+
+    def invalidate(self) -> None:
+        self.step = None
+
     def capture(self, step: int, made_up: int, params: list[Tensor], optimizer: torch.optim.Optimizer,
-                schedule: dict) -> None:
+                schedule: dict, held_weights: list[Tensor] | None = None) -> None:
         keys, tensors, scalars = _optimizer_entries(params, optimizer)
         if keys != self.keys:  # the buffers are reused, so they are rebuilt only when the state's layout changes
             self.optimizer_state, self.counters = WeightSnapshot(on_host=True), WeightSnapshot(on_host=True)
             self.keys = keys
         state, counters = _split_counters(tensors)
-        if self.holds_copy:
+        if held_weights is not None:
+            self.weights.adopt(held_weights)
+        elif self.holds_copy:
             self.weights.capture([local_shard(p) for p in params])
-            if state:
-                self.optimizer_state.capture(state)
+        else:
+            self.weights.release()  # rank 0's copy, broadcast at a restore, stands for this rank's
+        if self.holds_copy and state:
+            self.optimizer_state.capture(state)
         if counters:
             self.counters.capture(counters)
         self.scalars = scalars
@@ -139,14 +161,15 @@ class TrainingSnapshot:
             )
         weights = [local_shard(p) for p in params]
         state, counters = _split_counters(tensors)
-        if self.holds_copy:
+        held = self.weights.adopted  # on every rank
+        if self.holds_copy or held:
             self.weights.restore(weights)
-            if state:
-                self.optimizer_state.restore(state)
+        if self.holds_copy and state:
+            self.optimizer_state.restore(state)
         if counters:
             self.counters.restore(counters)
         if self.replicated:
-            for t in (*weights, *state):
+            for t in ([] if held else weights) + state:
                 dist.broadcast(t, src=0)
         for i, key, value in self.scalars:
             optimizer.state[params[i]][key] = value

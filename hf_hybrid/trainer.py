@@ -148,9 +148,14 @@ class HybridMixin:
         if engine is None or engine.record is None:
             return grad_norm
         loss, norm = self._hybrid_reduce(self._hybrid_window_loss, grad_norm)
-        guard_vetoes = self._guard_loop is not None and self._guard_loop.vetoes(model, loss, norm)
-        if guard_vetoes or engine.check_real_step(loss, norm, self._hybrid_lr()):
+        guard = self._guard_loop
+        if (guard is not None and guard.vetoes(model, loss, norm)) or engine.check_real_step(loss, norm,
+                                                                                             self._hybrid_lr()):
             self._hybrid_steps.veto_real_step()
+        else:
+            cycle_started = engine.start_cycle()
+            if guard is not None:
+                guard.accepted(cycle_started)
         return grad_norm
 
     def _hybrid_step_has_no_backward(self) -> bool:

@@ -144,8 +144,9 @@ def time_hybrid_hooks(result, cuda: bool) -> None:
         record = engine.record if engine.record is not None else engine.last_record
         return "hybrid_hooks_predict" if record.phase.value == "predict" else "hybrid_hooks_real"
 
-    for name in ("begin_step", "check_predict_step", "check_real_step", "before_optimizer_step",
+    for name in ("begin_step", "check_predict_step", "check_real_step", "start_cycle", "before_optimizer_step",
                  "after_optimizer_step", "end_step"):
         setattr(HybridEngine, name, timed(getattr(HybridEngine, name), engine_key))
-    # The guard's verdict (and, every few steps, its snapshot) happens at the Trainer's loop, on real steps only.
+    # The guard's verdict and its snapshot happen at the Trainer's loop, on real steps only.
     GuardAtLoop.vetoes = timed(GuardAtLoop.vetoes, lambda loop: "guard")
+    GuardAtLoop.accepted = timed(GuardAtLoop.accepted, lambda loop: "guard")

@@ -92,8 +92,8 @@ class Run:
                     self.guard.capture(step, engine.made_up_steps, engine.params, self.optimizer, {})
                 if guard in ("skip", "rollback"):
                     engine.skip_step(diverged=False)
-                else:
-                    engine.check_real_step(loss.item(), None, LR)
+                elif not engine.check_real_step(loss.item(), None, LR):
+                    engine.start_cycle()  # as the trainer does at an accepted step: the outer anchor moves here
                 engine.before_optimizer_step(LR)
             if guard == "rollback":
                 with self.counted():

@@ -92,24 +92,62 @@ def test_resume_with_the_outer_predictor_is_bit_identical(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(full_run._hybrid.predictor.buf, resumed._hybrid.predictor.buf))
 
 
-def test_a_guard_rollback_restarts_the_outer_cycle_at_the_restored_weights(tmp_out):
+def test_the_guards_snapshot_stands_on_the_anchor_and_a_rollback_restarts_the_cycle_there(tmp_out):
+    """The guard keeps no copy of the weights beside the outer anchor: its snapshot is taken where each cycle starts
+    and stands on the anchor, with only the optimizer state its own; a rollback puts the anchor back, bit for bit, and
+    the next cycle starts there with no momentum."""
     plan = FaultPlan(spike_step=27)
     trainer = guarded_trainer(tmp_out, plan, hybrid_predict=True, **OUTER)
-    rows = []
+    rows, weights_before_update = [], {}
 
     class Outer(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            weights_before_update[state.global_step] = flat_params(model)
+
         def on_step_end(self, args, state, control, model=None, **kwargs):
-            outer = trainer._hybrid.predictor
-            rows.append({"params": flat_params(model), "anchor": torch.cat([a.reshape(-1) for a in outer.anchor]),
+            outer, snapshot = trainer._hybrid.predictor, trainer._guard_loop.snapshot
+            anchor = torch.cat([a.reshape(-1) for a in outer.anchor]) if outer.anchor is not None else None
+            rows.append({"params": flat_params(model), "anchor": anchor, "snapshot_step": snapshot.step,
+                         "on_anchor": snapshot.weights.tensors is outer.anchor,
                          "buf": torch.cat([b.reshape(-1) for b in outer.buf]).clone()})
 
     trainer.add_callback(Outer())
     trainer.train()
-    rolled = [i for i, r in enumerate(guard_trace(tmp_out)) if r["guard"] == "rollback"]
+    trace = guard_trace(tmp_out)
+    rolled = [i for i, r in enumerate(trace) if r["guard"] == "rollback"]
     assert len(rolled) == 1 and trainer.hybrid_stats()["predict_steps"] >= 2
     before, at = rows[rolled[0] - 1], rows[rolled[0]]
-    assert before["buf"].abs().sum() > 0  # kept jumps had built momentum
+    assert before["on_anchor"] and before["buf"].abs().sum() > 0  # kept jumps had built momentum
+    # Taken before the update of the first real step after a jump's verdict (or the first step with optimizer state):
+    # the trace counts steps from 1, the snapshot from 0.
+    jumps = [r["step"] for r in trace if r["phase"] == "predict"]
+    taken = sorted({r["snapshot_step"] for r in rows[:rolled[0]] if r["snapshot_step"] is not None})
+    assert len(taken) >= 3 and taken == [1, *(step for step in jumps if step <= taken[-1])]
+    assert torch.equal(at["params"], weights_before_update[before["snapshot_step"]])
     assert torch.equal(at["anchor"], at["params"]) and not at["buf"].any()
+    assert trainer._guard_loop.snapshot.optimizer_state.tensors is not None
+
+
+def test_after_a_save_the_guard_holds_a_copy_of_its_own_until_the_next_cycle_starts(tmp_out):
+    """A resumed run has the anchor from the checkpoint but not the optimizer state of the cycle's start, so both runs
+    take a snapshot of their own at the step after a save (1x the parameters more), and stand on the anchor again
+    where the next cycle starts."""
+    trainer = make_trainer(tmp_out, **OUTER, max_steps=30, save_strategy="steps", save_steps=13,
+                           hybrid_payoff_check=False)
+    rows = {}
+
+    class Snapshots(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            outer, snapshot = trainer._hybrid.predictor, trainer._guard_loop.snapshot
+            rows[state.global_step] = (snapshot.step, snapshot.weights.tensors is outer.anchor)
+
+    trainer.add_callback(Snapshots())
+    trainer.train()
+    jumps = [r["step"] for r in guard_trace(tmp_out) if r["phase"] == "predict"]
+    after_save = min(j for j in jumps if j > 13)
+    assert rows[14] == (13, False)  # a copy of its own, at the checkpoint's state
+    assert all(rows[step] == (13, False) for step in range(14, after_save + 1))
+    assert rows[after_save + 1] == (after_save, True)  # on the anchor again: the own copy is given back
 
 
 class ForwardCounter(TrainerCallback):

@@ -74,11 +74,22 @@ class Predictor(ABC):
         """`ControllerConfig` fields this predictor sets itself (its own schedule); none by default."""
         return {}
 
-    def jump_kept(self) -> None:  # noqa: B027 - optional hook
-        """The jump just made passed its verdict and stays."""
+    def jump_kept(self, before: list[Tensor]) -> None:  # noqa: B027 - optional hook
+        """The jump just made passed its verdict and stays; `before` holds the weights where it began (the engine's
+        undo copy, local shards)."""
 
     def jump_undone(self) -> None:  # noqa: B027 - optional hook
         """The jump was rolled back: the weights are back where it began."""
+
+    def move_anchor(self) -> bool:
+        """At a real step that passed its checks, before its update: start a new cycle here if one is due. Returns
+        whether it did (the guard then takes its snapshot, see `held_weights`)."""
+        return False
+
+    def held_weights(self) -> list[Tensor] | None:
+        """A copy of the weights at the last `move_anchor` that the predictor keeps anyway and leaves unchanged until
+        the next one, or None: the guard's snapshot uses it instead of a copy of its own."""
+        return None
 
     @abstractmethod
     def apply_(self, lr: float) -> None:

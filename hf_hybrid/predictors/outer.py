@@ -9,8 +9,11 @@ which is why every jump is judged on the probe batch like any other (payoff.py) 
 The schedule is the period, not the loss forecast's confidence: one Predict step every `period` real steps, with no
 Correct steps (there is no per-step residual to learn). The Predict step runs no backward; its batch is the probe.
 
-Memory: two parameter-sized buffers (the anchor, the momentum), element-wise on local shards. The anchor buffer holds g
-from the jump until its verdict, so a rejected jump leaves the momentum untouched, bit for bit.
+Memory: two parameter-sized buffers (the anchor, the momentum), element-wise on local shards. The anchor is left intact
+by the jump (its pseudo-gradient is taken tensor by tensor, and again from the engine's undo copy when the jump is
+kept) and moves only at the start of the next cycle's first accepted real step, before its update: there the weights
+are known to be good, so the guard's snapshot takes the anchor as its copy of the weights (`held_weights`) instead of
+keeping one of its own, and holds only the optimizer state beside it.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ class OuterMomentumPredictor(Predictor):
         super().__init__(params, optimizer)
         self.period, self.outer_lr, self.momentum = period, outer_lr, momentum
         self.anchor: list[Tensor] | None = None
+        # A new cycle starts at the next accepted real step: the jump was judged, or the weights were put back.
+        self.anchor_due = False
         self.cycle_steps = 0  # real updates since the anchor: the displacement weights - anchor is theirs
         self.buf: list[Tensor] = [torch.zeros_like(local_shard(p)) for p in params]
 
@@ -44,32 +49,38 @@ class OuterMomentumPredictor(Predictor):
 
     @property
     def ready(self) -> bool:
-        return self.anchor is not None
+        return self.anchor is not None and not self.anchor_due
 
     def _shards(self) -> list[Tensor]:
         return [local_shard(p) for p in self.params]
 
     @torch.no_grad()
     def _observe(self, updates: list[Tensor], lr: float) -> None:
-        if self.anchor is None:  # the first real step after a start or a gap anchors the next cycle
-            self.set_anchor()
-        else:
+        if self.anchor is None:  # the first real step after a start anchors the next cycle
+            self.anchor_due = True
+        elif not self.anchor_due:
             self.cycle_steps += 1
 
     @torch.no_grad()
-    def set_anchor(self) -> None:
+    def move_anchor(self) -> bool:
+        if not self.anchor_due:
+            return False
         shards = self._shards()
         if self.anchor is None:
             self.anchor = [torch.empty_like(p) for p in shards]
         torch._foreach_copy_(self.anchor, shards)
-        self.cycle_steps = 0
+        self.anchor_due, self.cycle_steps = False, 0
+        return True
+
+    def held_weights(self) -> list[Tensor] | None:
+        return None if self.anchor_due else self.anchor
 
     def restart(self) -> None:
         """After a guard rollback: the next cycle starts at the restored weights, with no momentum. The jumps kept
         since the guard's snapshot are undone with the weights, and their pseudo-gradients may hold the damage the
         guard caught, so the momentum they built is not kept (nor copied into every snapshot: 2x the parameters)."""
         super().restart()
-        self.set_anchor()
+        self.anchor_due = True
         torch._foreach_zero_(self.buf)
 
     def release(self) -> None:
@@ -77,35 +88,39 @@ class OuterMomentumPredictor(Predictor):
 
     @torch.no_grad()
     def apply_(self, lr: float) -> None:
-        shards = self._shards()
         m, a = self.momentum, self.outer_lr
-        g = self.anchor
-        torch._foreach_sub_(g, shards)  # the anchor buffer now holds the pseudo-gradient
-        # anchor - a * (g + m * (m * buf + g)) = weights + (1 - a - a * m) * g - a * m^2 * buf
-        torch._foreach_add_(shards, g, alpha=1 - a - a * m)
-        torch._foreach_add_(shards, self.buf, alpha=-a * m * m)
+        # anchor - a * (g + m * (m * buf + g)) = weights + (1 - a - a * m) * g - a * m^2 * buf, with the
+        # pseudo-gradient g = anchor - weights one tensor at a time: the anchor stays the guard's copy of the weights.
+        for shard, anchor, buf in zip(self._shards(), self.anchor, self.buf):
+            g = anchor - shard
+            shard.add_(g, alpha=1 - a - a * m)
+            shard.add_(buf, alpha=-a * m * m)
 
     @torch.no_grad()
-    def jump_kept(self) -> None:
-        torch._foreach_mul_(self.buf, self.momentum)
-        torch._foreach_add_(self.buf, self.anchor)
-        self.set_anchor()
+    def jump_kept(self, before: list[Tensor]) -> None:
+        for buf, anchor, start in zip(self.buf, self.anchor, before):
+            buf.mul_(self.momentum)
+            buf.add_(anchor - start.to(anchor.device, non_blocking=True))
+        self.anchor_due = True
 
     def jump_undone(self) -> None:
         """The weights are back where the jump began: the next cycle starts there, with the momentum as it was."""
-        self.set_anchor()
+        self.anchor_due = True
 
     def state_dict(self) -> dict:
         # Handed over, not cloned: the checkpoint is written at once, and a copy would add 2x the parameters.
         return {**super().state_dict(), "anchor": [t.detach().cpu() for t in self.anchor or []],
-                "buf": [t.detach().cpu() for t in self.buf], "cycle_steps": self.cycle_steps}
+                "buf": [t.detach().cpu() for t in self.buf], "cycle_steps": self.cycle_steps,
+                "anchor_due": self.anchor_due}
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         if state["anchor"]:
-            self.set_anchor()  # allocates the buffers where this run keeps them
+            self.anchor = [torch.empty_like(p) for p in self._shards()]
             load_tensors(self.anchor, state["anchor"], "outer anchor")
         else:
             self.anchor = None
         load_tensors(self.buf, state["buf"], "outer momentum")
         self.cycle_steps = state.get("cycle_steps", 0)  # absent from checkpoints written before it was counted
+        # Before the anchor moved at the next accepted step, it moved at the verdict: nothing was due.
+        self.anchor_due = state.get("anchor_due", False)
