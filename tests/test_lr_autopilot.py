@@ -11,6 +11,7 @@ import torch
 from transformers import TrainerCallback
 
 from hf_hybrid import HybridHFTrainer
+from hf_hybrid.engine import HybridEngine
 from hf_hybrid.forward_checks import probe_loss
 from hf_hybrid.lr_scale import LrScale, reach_of_line
 from hf_hybrid.step_line import SPACING, next_step_line
@@ -134,9 +135,10 @@ class WeightsAtEachStep(TrainerCallback):
 
 def test_an_undone_raise_puts_back_the_weights_before_its_first_update(tmp_out, monkeypatch):
     """Every raise fails its trial: right after the undo, the weights are bit for bit those before the first update
-    at the raised scale, and the LR in effect is the user's schedule again."""
+    at the raised scale, and the LR in effect is the user's schedule again. The trial outlasts an outer cycle, whose
+    start moves the anchor the guard's snapshot otherwise stands on: the undo point is not moved with it."""
     original = LrScale.reading
-    undone_at = []
+    undone_at, raised_at, cycles_in_trial, undo_points = [], [], [], set()
 
     def fail_every_trial(self, f0, f1, f2, **kwargs):
         if self.on_trial:
@@ -150,12 +152,28 @@ def test_an_undone_raise_puts_back_the_weights_before_its_first_update(tmp_out, 
     weights = WeightsAtEachStep(model)
     trainer.add_callback(weights)
 
+    start_cycle = HybridEngine.start_cycle
+
+    def counted_start_cycle(engine):
+        started = start_cycle(engine)
+        if started and trainer._lr_autopilot.scale.on_trial:
+            cycles_in_trial.append(trainer.state.global_step)
+        return started
+
+    monkeypatch.setattr(HybridEngine, "start_cycle", counted_start_cycle)
+
     class CheckUndo(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             autopilot = trainer._lr_autopilot
+            snapshot_step = trainer._guard_loop.snapshot.step
+            if autopilot.scale.scale > 1.0 and len(raised_at) == len(undone_at):
+                raised_at.append(state.global_step)
+                undo_points.clear()
+            if raised_at and snapshot_step is not None and snapshot_step >= raised_at[-1]:
+                undo_points.add(snapshot_step)
             if autopilot.scale.trials_undone > len(undone_at):
-                snapshot_step = trainer._guard_loop.snapshot.step
                 undone_at.append(snapshot_step)
+                assert undo_points == {snapshot_step}, "the undo point moved during the trial"
                 for p, before in zip(model.parameters(), weights.weights[snapshot_step]):
                     assert torch.equal(p, before)
                 assert autopilot.scale.scale == 1.0
@@ -167,6 +185,7 @@ def test_an_undone_raise_puts_back_the_weights_before_its_first_update(tmp_out, 
     trainer.add_callback(CheckUndo())
     trainer.train()
     assert undone_at, "no raise was tried"
+    assert cycles_in_trial, "no outer cycle started during a trial"
     assert trainer._hybrid.made_up_steps >= 5 * len(undone_at)  # a cycle's updates were undone each time
 
 
