@@ -96,18 +96,18 @@ class GuardAtLoop:
         # Not before the optimizer has state (AdamW creates it at its first step; a resumed run has it from the
         # start), and never inside a jump: the engine may still reject it, and a snapshot would bring it back.
         possible = every and engine.optimizer.state and not engine.snapshot.valid
-        held = engine.predictor.held_weights()
         due = self.snapshot_asked or not snapshot.valid
         if cycle_started:
             due = due or not (self.snapshot_held and not snapshot.on_held_weights)
-        elif held is None:
+        elif not engine.predictor.keeps_weights:
             due = due or (step - snapshot.step >= every and not self.snapshot_held)
         if due and possible:
             # An asked-for snapshot, or a raise's undo point, keeps a copy of its own: a trial holds it across the next
             # cycle start (and a run resumed mid-trial takes its first one as the trial's too).
             own = self.snapshot_asked or self.snapshot_held or not cycle_started
             snapshot.capture(step, engine.made_up_steps, engine.params, engine.optimizer,
-                             trainer._hybrid_steps.schedule_state(), held_weights=None if own else held)
+                             trainer._hybrid_steps.schedule_state(), on_held_weights=not own,
+                             held_weights=engine.predictor.held_weights())
             self.snapshot_asked = False
         elif cycle_started and snapshot.on_held_weights:
             snapshot.invalidate()  # its weights were the anchor, which just moved

@@ -54,7 +54,7 @@ def anchor_loss(trainer: Trainer, model: torch.nn.Module, engine, probe_items: t
     """The probe's loss at the outer cycle's start (the anchor A): one in-place move of the weights and one forward;
     the weights come back bit for bit from the jump's undo copy, taken at the step's start."""
     shards = engine._shards()
-    torch._foreach_copy_(shards, engine.predictor.anchor)
+    engine.predictor.load_anchor()
     loss = probe_loss(trainer, model, engine.probe, probe_items)
     engine.snapshot.restore(shards)
     return trainer._hybrid_reduce(loss)[0]

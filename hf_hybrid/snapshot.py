@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .host_buffers import HostCopies, host_like
 from .predictors.base import load_tensors, local_shard
 
 
@@ -30,51 +31,35 @@ class WeightSnapshot:
         self.tensors: list[Tensor] | None = None
         self.valid = False
         self.adopted = False  # the tensors are another owner's copy (`adopt`), never written here
-        self._copied: torch.cuda.Event | None = None  # the last device-to-host copy, for host reads
-
-    def _buffer(self, t: Tensor) -> Tensor:
-        if self.on_host and t.is_cuda:
-            return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        return torch.empty_like(t)
+        self._copies = HostCopies()
 
     def adopt(self, tensors: list[Tensor]) -> None:
         """Stand for a copy that another part already holds: `tensors` hold the values to keep, and their owner leaves
         them unchanged while this copy is valid. Costs no memory and no copy; a later `capture` takes buffers of its
         own."""
-        self.tensors, self.valid, self._copied, self.adopted = tensors, True, None, True
+        self.tensors, self.valid, self.adopted = tensors, True, True
 
     @torch.no_grad()
     def capture(self, tensors: list[Tensor]) -> None:
         if self.adopted:
             self.release()
         if self.tensors is None:
-            self.tensors = [self._buffer(t) for t in tensors]
-        if self.on_host and any(t.is_cuda for t in tensors):  # per tensor: the multi-tensor copy is for one device
-            for buffer, t in zip(self.tensors, tensors):
-                buffer.copy_(t, non_blocking=True)
-            self._copied = torch.cuda.Event()
-            self._copied.record()
-        else:
-            torch._foreach_copy_(self.tensors, tensors)
+            self.tensors = [host_like(t) if self.on_host else torch.empty_like(t) for t in tensors]
+        self._copies.copy(self.tensors, tensors)
         self.valid = True
 
     @torch.no_grad()
     def restore(self, tensors: list[Tensor]) -> None:
         assert self.valid and self.tensors is not None, "no snapshot to restore"
-        if self._copied is not None:
-            for t, buffer in zip(tensors, self.tensors):
-                t.copy_(buffer, non_blocking=True)
-        else:
-            torch._foreach_copy_(tensors, self.tensors)
+        self._copies.copy(tensors, self.tensors)
 
     def release(self) -> None:
-        self.tensors, self.valid, self._copied, self.adopted = None, False, None, False
+        self.tensors, self.valid, self.adopted = None, False, False
 
     def state_dict(self) -> dict:
         """The copy as it stands, for a checkpoint that is written at once: host buffers are handed over, not cloned,
         so saving adds no memory."""
-        if self._copied is not None:
-            self._copied.synchronize()  # the host copy may still be arriving
+        self._copies.wait()  # the host copy may still be arriving
         tensors = [t.detach().cpu() for t in self.tensors] if self.valid and self.tensors else None
         return {"valid": self.valid, "tensors": tensors}
 
@@ -82,8 +67,7 @@ class WeightSnapshot:
         self.valid = False
         if state["valid"]:
             self.capture(tensors)  # allocates the buffers where this run keeps them
-            if self._copied is not None:
-                self._copied.synchronize()  # or the copy could land after the saved values below
+            self._copies.wait()  # or the copy could land after the saved values below
             load_tensors(self.tensors, state["tensors"], "undo copy of the weights")
 
 
@@ -116,6 +100,7 @@ class TrainingSnapshot:
         self.rng: dict | None = None
         self.step: int | None = None  # the 0-based global step whose update the snapshot precedes
         self.made_up = 0  # optimizer steps already made up (added to max_steps) when it was taken
+        self._on_held_weights = False
 
     @property
     def valid(self) -> bool:
@@ -124,24 +109,28 @@ class TrainingSnapshot:
     @property
     def on_held_weights(self) -> bool:
         """Whether the weights are the predictor's copy, which moves with its next cycle."""
-        return self.weights.adopted
+        return self._on_held_weights
 
     def invalidate(self) -> None:
         self.step = None
 
     def capture(self, step: int, made_up: int, params: list[Tensor], optimizer: torch.optim.Optimizer,
-                schedule: dict, held_weights: list[Tensor] | None = None) -> None:
+                schedule: dict, on_held_weights: bool = False, held_weights: list[Tensor] | None = None) -> None:
+        """`on_held_weights`: stand on the predictor's copy of the weights, `held_weights` on the ranks that keep
+        copies (every rank but under DDP, where rank 0 keeps the predictor's state too)."""
         keys, tensors, scalars = _optimizer_entries(params, optimizer)
         if keys != self.keys:  # the buffers are reused, so they are rebuilt only when the state's layout changes
             self.optimizer_state, self.counters = WeightSnapshot(on_host=True), WeightSnapshot(on_host=True)
             self.keys = keys
         state, counters = _split_counters(tensors)
-        if held_weights is not None:
-            self.weights.adopt(held_weights)
-        elif self.holds_copy:
-            self.weights.capture([local_shard(p) for p in params])
-        else:
+        if not self.holds_copy:
             self.weights.release()  # rank 0's copy, broadcast at a restore, stands for this rank's
+        elif on_held_weights:
+            assert held_weights is not None, "the predictor keeps no weights on this rank"
+            self.weights.adopt(held_weights)
+        else:
+            self.weights.capture([local_shard(p) for p in params])
+        self._on_held_weights = on_held_weights
         if self.holds_copy and state:
             self.optimizer_state.capture(state)
         if counters:
@@ -161,15 +150,14 @@ class TrainingSnapshot:
             )
         weights = [local_shard(p) for p in params]
         state, counters = _split_counters(tensors)
-        held = self.weights.adopted  # on every rank
-        if self.holds_copy or held:
+        if self.holds_copy:
             self.weights.restore(weights)
-        if self.holds_copy and state:
-            self.optimizer_state.restore(state)
+            if state:
+                self.optimizer_state.restore(state)
         if counters:
             self.counters.restore(counters)
         if self.replicated:
-            for t in ([] if held else weights) + state:
+            for t in (*weights, *state):
                 dist.broadcast(t, src=0)
         for i, key, value in self.scalars:
             optimizer.state[params[i]][key] = value

@@ -58,14 +58,16 @@ def main(out_dir: str, resume_from: str | None) -> None:
     # Each rank keeps its own first micro-batch as the autopilot's probe (the losses on it are averaged across ranks):
     # the rest of its state must be identical.
     autopilot = {k: v for k, v in trainer._lr_autopilot.state_dict().items() if k != "probe"}
-    snapshot = trainer._guard_loop.snapshot
+    snapshot, outer = trainer._guard_loop.snapshot, trainer._hybrid.predictor
     # The guard's own copies: weights it stands on that the outer predictor holds as its anchor are not its own.
     own = [*([] if snapshot.on_held_weights else snapshot.weights.tensors or []),
            *(snapshot.optimizer_state.tensors or [])]
     result = {"world_size": args.world_size, "hashes": recorder.hashes, "stats": trainer.hybrid_stats(),
               "lr_autopilot": autopilot, "events": events,
               "guard_snapshot_bytes": sum(t.numel() * t.element_size() for t in own),
-              "snapshot_on_anchor": snapshot.weights.tensors is trainer._hybrid.predictor.anchor,
+              "snapshot_on_anchor": snapshot.on_held_weights,
+              "snapshot_is_the_anchor": snapshot.weights.tensors is outer.anchor,
+              "outer_state_bytes": sum(t.numel() * t.element_size() for t in [*(outer.anchor or []), *outer.buf]),
               "param_bytes": sum(p.numel() * p.element_size() for p in trainer.model.parameters())}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     trainer.accelerator.end_training()

@@ -138,10 +138,10 @@ def test_resume_mid_predict_with_the_snapshot_on_host_is_bit_identical(tmp_path)
     check_resume_mid_predict(tmp_path, hybrid_offload_snapshot=True, full_determinism=True, **ON_GPU)
 
 
-@pytest.mark.parametrize("predictor, extra_buffers", [("adam", 0), ("velocity", 1)])
+@pytest.mark.parametrize("predictor, extra_buffers", [("adam", 0), ("velocity", 1), ("outer", 0)])
 def test_engine_keeps_no_weight_copy_on_the_device_beyond_its_predictor(tmp_path, predictor, extra_buffers):
-    """With the snapshot on the host and the anchor living only around the optimizer step, what the hybrid holds
-    on the device between steps is the Trainer's, plus the predictor's own buffer (velocity: one copy)."""
+    """With the snapshot on the host, what the hybrid holds on the device between steps is the Trainer's, plus the
+    predictor's own buffer (velocity: one copy; outer keeps its anchor and momentum in pinned host memory)."""
     plain_memory, hybrid_memory = StepEndMemory(), StepEndMemory()
     args = TrainingArguments(output_dir=str(tmp_path / "plain"), per_device_train_batch_size=8, learning_rate=3e-3,
                              max_steps=40, save_strategy="no", report_to="none", seed=0, data_seed=0)

@@ -43,8 +43,8 @@ def test_two_process_ddp_ranks_take_the_same_guard_decisions(tmp_path):
 def test_the_defaults_on_two_ranks_keep_them_identical_and_resume_exactly(tmp_path):
     """The outer predictor, the learning-rate autopilot and the guard: a raise tried, jumps kept and rolled back, a
     guard skip (rank 1's NaN) and a guard rollback (a spike on both), ranks identical after every step; the guard's
-    snapshot standing on each rank's outer anchor, its optimizer state held by rank 0 alone and broadcast at a
-    rollback; one copy of the parameter-sized state per checkpoint; a
+    outer state (anchor and momentum) and the guard's snapshot, which stands on the anchor, held by rank 0 alone and
+    broadcast at a jump and a rollback; one copy of the parameter-sized state per checkpoint; a
     two-rank resume from a checkpoint between the guard's rollback and its
     skip ends bit for bit where the uninterrupted run ends."""
     full = launch_two_ranks("ddp_defaults_worker.py", tmp_path / "full")
@@ -52,9 +52,12 @@ def test_the_defaults_on_two_ranks_keep_them_identical_and_resume_exactly(tmp_pa
     stats, events = full[0]["stats"], full[0]["events"]
     assert stats["predictions_kept"] >= 1 and stats["predictions_judged"] > stats["predictions_kept"]
     assert stats["guard_rollbacks"] == 1 and stats["non_finite"] == 1, events
-    # The snapshot stands on the outer anchor, every rank's own; rank 0 alone adds the moments (2x the parameters).
-    assert full[0]["snapshot_on_anchor"] and full[1]["snapshot_on_anchor"]
-    assert full[0]["guard_snapshot_bytes"] == 2 * full[0]["param_bytes"] and full[1]["guard_snapshot_bytes"] == 0
+    # Rank 0 alone holds the outer anchor and momentum and the guard's moments (2x the parameters each); the guard's
+    # snapshot stands on the anchor.
+    param_bytes = full[0]["param_bytes"]
+    assert full[0]["snapshot_on_anchor"] and full[1]["snapshot_on_anchor"] and full[0]["snapshot_is_the_anchor"]
+    assert full[0]["guard_snapshot_bytes"] == 2 * param_bytes and full[1]["guard_snapshot_bytes"] == 0
+    assert full[0]["outer_state_bytes"] == 2 * param_bytes and full[1]["outer_state_bytes"] == 0
     autopilot = full[0]["lr_autopilot"]
     assert autopilot == full[1]["lr_autopilot"] and autopilot["user_base_lrs"][0] == 2e-3
     assert autopilot["scale"]["raises_kept"] + autopilot["scale"]["trials_undone"] >= 1, autopilot

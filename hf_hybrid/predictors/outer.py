@@ -9,18 +9,23 @@ which is why every jump is judged on the probe batch like any other (payoff.py) 
 The schedule is the period, not the loss forecast's confidence: one Predict step every `period` real steps, with no
 Correct steps (there is no per-step residual to learn). The Predict step runs no backward; its batch is the probe.
 
-Memory: two parameter-sized buffers (the anchor, the momentum), element-wise on local shards. The anchor is left intact
-by the jump (its pseudo-gradient is taken tensor by tensor, and again from the engine's undo copy when the jump is
-kept) and moves only at the start of the next cycle's first accepted real step, before its update: there the weights
-are known to be good, so the guard's snapshot takes the anchor as its copy of the weights (`held_weights`) instead of
-keeping one of its own, and holds only the optimizer state beside it.
+Memory: two parameter-sized buffers (the anchor, the momentum), element-wise on local shards, in pinned host memory on
+an accelerator. They then cost no device memory, but host-device copies of the parameters' bytes: 3x in per jump (the
+anchor for the probe's loss at the cycle's start, then the anchor and the momentum, tensor by tensor, for the step), 2x
+in and 1x out more per kept jump (the momentum's update), and 1x out per cycle start. The anchor is left intact by the
+jump (its pseudo-gradient is taken tensor by tensor, and again from the engine's undo copy when the jump is kept) and
+moves only at the start of the next cycle's first accepted real step, before its update: there the weights are known to
+be good, so the guard's snapshot takes the anchor as its copy of the weights (`held_weights`) instead of keeping one of
+its own, and holds only the optimizer state beside it.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
+from ..host_buffers import HostCopies, host_like
 from .base import Predictor, load_tensors, local_shard
 
 
@@ -35,11 +40,17 @@ class OuterMomentumPredictor(Predictor):
                  outer_lr: float = 0.6, momentum: float = 0.9) -> None:
         super().__init__(params, optimizer)
         self.period, self.outer_lr, self.momentum = period, outer_lr, momentum
-        self.anchor: list[Tensor] | None = None
+        # Under DDP every rank holds the same weights, so rank 0 alone keeps the outer state and computes each jump,
+        # which it broadcasts: 2x the parameters per job instead of per rank (FSDP2: each rank its shards).
+        self.replicated = not self.shard_groups and dist.is_initialized() and dist.get_world_size() > 1
+        self.holds_state = not self.replicated or dist.get_rank() == 0
+        self.anchor: list[Tensor] | None = None  # on the ranks that hold the state
+        self.anchored = False  # on every rank
         # A new cycle starts at the next accepted real step: the jump was judged, or the weights were put back.
         self.anchor_due = False
         self.cycle_steps = 0  # real updates since the anchor: the displacement weights - anchor is theirs
-        self.buf: list[Tensor] = [torch.zeros_like(local_shard(p)) for p in params]
+        self.buf: list[Tensor] = [host_like(local_shard(p)).zero_() for p in params] if self.holds_state else []
+        self.copies = HostCopies()
 
     def controller_settings(self) -> dict:
         """The phase controller's schedule for this predictor: a one-step jump every `period` real steps, judged by
@@ -49,14 +60,14 @@ class OuterMomentumPredictor(Predictor):
 
     @property
     def ready(self) -> bool:
-        return self.anchor is not None and not self.anchor_due
+        return self.anchored and not self.anchor_due
 
     def _shards(self) -> list[Tensor]:
         return [local_shard(p) for p in self.params]
 
     @torch.no_grad()
     def _observe(self, updates: list[Tensor], lr: float) -> None:
-        if self.anchor is None:  # the first real step after a start anchors the next cycle
+        if not self.anchored:  # the first real step after a start anchors the next cycle
             self.anchor_due = True
         elif not self.anchor_due:
             self.cycle_steps += 1
@@ -65,15 +76,32 @@ class OuterMomentumPredictor(Predictor):
     def move_anchor(self) -> bool:
         if not self.anchor_due:
             return False
-        shards = self._shards()
-        if self.anchor is None:
-            self.anchor = [torch.empty_like(p) for p in shards]
-        torch._foreach_copy_(self.anchor, shards)
-        self.anchor_due, self.cycle_steps = False, 0
+        if self.holds_state:
+            shards = self._shards()
+            if self.anchor is None:
+                self.anchor = [host_like(p) for p in shards]
+            self.copies.copy(self.anchor, shards)
+        self.anchored, self.anchor_due, self.cycle_steps = True, False, 0
         return True
 
+    @property
+    def keeps_weights(self) -> bool:
+        return self.anchored and not self.anchor_due
+
     def held_weights(self) -> list[Tensor] | None:
-        return None if self.anchor_due else self.anchor
+        return self.anchor if self.keeps_weights else None
+
+    @torch.no_grad()
+    def load_anchor(self) -> None:
+        """Put the anchor's weights into the parameters (every rank), for the probe's loss at the cycle's start."""
+        if self.holds_state:
+            self.copies.copy(self._shards(), self.anchor)
+        self._broadcast_weights()
+
+    def _broadcast_weights(self) -> None:
+        if self.replicated:
+            for shard in self._shards():
+                dist.broadcast(shard, src=0)
 
     def restart(self) -> None:
         """After a guard rollback: the next cycle starts at the restored weights, with no momentum. The jumps kept
@@ -81,26 +109,36 @@ class OuterMomentumPredictor(Predictor):
         guard caught, so the momentum they built is not kept (nor copied into every snapshot: 2x the parameters)."""
         super().restart()
         self.anchor_due = True
-        torch._foreach_zero_(self.buf)
+        self.copies.wait()
+        for buf in self.buf:  # none on the ranks that do not hold the state
+            buf.zero_()
 
     def release(self) -> None:
-        self.anchor, self.buf = None, []
+        self.anchor, self.anchored, self.buf = None, False, []
 
     @torch.no_grad()
     def apply_(self, lr: float) -> None:
         m, a = self.momentum, self.outer_lr
         # anchor - a * (g + m * (m * buf + g)) = weights + (1 - a - a * m) * g - a * m^2 * buf, with the
         # pseudo-gradient g = anchor - weights one tensor at a time: the anchor stays the guard's copy of the weights.
-        for shard, anchor, buf in zip(self._shards(), self.anchor, self.buf):
-            g = anchor - shard
+        fetch = self.copies.fetch
+        for shard, anchor, buf in zip(self._shards(), self.anchor or [], self.buf):
+            g = fetch(anchor, shard.device) - shard
             shard.add_(g, alpha=1 - a - a * m)
-            shard.add_(buf, alpha=-a * m * m)
+            shard.add_(fetch(buf, shard.device), alpha=-a * m * m)
+        self.copies.mark()
+        self._broadcast_weights()
 
     @torch.no_grad()
     def jump_kept(self, before: list[Tensor]) -> None:
-        for buf, anchor, start in zip(self.buf, self.anchor, before):
-            buf.mul_(self.momentum)
-            buf.add_(anchor - start.to(anchor.device, non_blocking=True))
+        fetch = self.copies.fetch
+        for buf, anchor, start, shard in zip(self.buf, self.anchor or [], before, self._shards()):
+            new = fetch(buf, shard.device)  # on the CPU, the buffer itself
+            new.mul_(self.momentum)
+            new.add_(fetch(anchor, shard.device) - fetch(start, shard.device))
+            if new is not buf:
+                buf.copy_(new, non_blocking=True)
+        self.copies.mark()
         self.anchor_due = True
 
     def jump_undone(self) -> None:
@@ -109,18 +147,21 @@ class OuterMomentumPredictor(Predictor):
 
     def state_dict(self) -> dict:
         # Handed over, not cloned: the checkpoint is written at once, and a copy would add 2x the parameters.
+        self.copies.wait()
         return {**super().state_dict(), "anchor": [t.detach().cpu() for t in self.anchor or []],
                 "buf": [t.detach().cpu() for t in self.buf], "cycle_steps": self.cycle_steps,
-                "anchor_due": self.anchor_due}
+                "anchor_due": self.anchor_due, "anchored": self.anchored}
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
-        if state["anchor"]:
-            self.anchor = [torch.empty_like(p) for p in self._shards()]
+        self.copies.wait()
+        self.anchored = state.get("anchored", bool(state["anchor"]))  # absent before the state was kept on rank 0
+        self.anchor = None
+        if self.holds_state and self.anchored:
+            self.anchor = [host_like(p) for p in self._shards()]
             load_tensors(self.anchor, state["anchor"], "outer anchor")
-        else:
-            self.anchor = None
-        load_tensors(self.buf, state["buf"], "outer momentum")
+        if self.holds_state:
+            load_tensors(self.buf, state["buf"], "outer momentum")
         self.cycle_steps = state.get("cycle_steps", 0)  # absent from checkpoints written before it was counted
         # Before the anchor moved at the next accepted step, it moved at the verdict: nothing was due.
         self.anchor_due = state.get("anchor_due", False)
