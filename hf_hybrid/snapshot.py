@@ -77,10 +77,10 @@ class TrainingSnapshot:
 
     Tensors are copied element-wise on local shards (no communication under FSDP2), into pinned host memory on an
     accelerator, where it costs no device memory: 3x the parameters' bytes with AdamW (weights and two moments). With
-    `held_weights` (the outer predictor's anchor, taken at the same point) the weights are not copied again: the
+    `on_held_weights` (the outer predictor's anchor, taken at the same point) the weights are not copied again: the
     snapshot stands on that copy, and only the moments are its own (2x). With `replicated` (DDP, where every rank holds
-    the same weights and optimizer state) only rank 0 keeps its own copies, and a restore broadcasts them to the
-    others: once per job instead of once per rank, for one broadcast per rollback. The optimizer's step counters
+    the same weights and optimizer state) only rank 0 keeps the copies (and the anchor), and a restore broadcasts them
+    to the others: once per job instead of once per rank, for one broadcast per rollback. The optimizer's step counters
     (0-dimensional, some of them host tensors that NCCL cannot broadcast) are kept on every rank. The data stream is
     not rewound: a rollback drops the batches since the snapshot, the trouble included, as PaLM's restarts skipped
     theirs. The predictor's state is not kept: it restarts from the restored weights, as after any gap. Nor is the
