@@ -138,8 +138,13 @@ def test_resume_mid_predict_with_the_snapshot_on_host_is_bit_identical(tmp_path)
     check_resume_mid_predict(tmp_path, hybrid_offload_snapshot=True, full_determinism=True, **ON_GPU)
 
 
-@pytest.mark.parametrize("predictor, extra_buffers", [("adam", 0), ("velocity", 1), ("outer", 0)])
-def test_engine_keeps_no_weight_copy_on_the_device_beyond_its_predictor(tmp_path, predictor, extra_buffers):
+# The outer case judges its jumps on the probe (so the anchor is copied in for the probe's loss too) and never retires.
+OUTER_ON_GPU = dict(hybrid_outer_period=3, hybrid_payoff_check=True, hybrid_max_rejections=0)
+
+
+@pytest.mark.parametrize("predictor, extra_buffers, settings",
+                         [("adam", 0, {}), ("velocity", 1, {}), ("outer", 0, OUTER_ON_GPU)])
+def test_engine_keeps_no_weight_copy_on_the_device_beyond_its_predictor(tmp_path, predictor, extra_buffers, settings):
     """With the snapshot on the host, what the hybrid holds on the device between steps is the Trainer's, plus the
     predictor's own buffer (velocity: one copy; outer keeps its anchor and momentum in pinned host memory)."""
     plain_memory, hybrid_memory = StepEndMemory(), StepEndMemory()
@@ -150,7 +155,7 @@ def test_engine_keeps_no_weight_copy_on_the_device_beyond_its_predictor(tmp_path
     del plain
     model = tiny_gpt2()
     trainer = make_trainer(tmp_path / "hybrid", model=model, hybrid_predictor=predictor, hybrid_offload_snapshot=True,
-                           **ON_GPU)
+                           **settings, **ON_GPU)
     trainer.add_callback(hybrid_memory)
     trainer.train()
     assert trainer.hybrid_stats()["predict_steps"] >= 5
