@@ -60,7 +60,7 @@ class OuterMomentumPredictor(Predictor):
 
     @property
     def ready(self) -> bool:
-        return self.anchored and not self.anchor_due
+        return self.keeps_weights
 
     def _shards(self) -> list[Tensor]:
         return [local_shard(p) for p in self.params]
