@@ -86,8 +86,9 @@ class GuardAtLoop:
         """A real step passed every check; before its update, take the snapshot when one is due.
 
         While the predictor keeps a copy of the weights (the outer anchor, `cycle_started` where it just moved), the
-        snapshot is taken where each cycle starts, on that copy, and holds only the optimizer state of its own.
-        Otherwise, every `hybrid_guard_snapshot_steps` steps, with a copy of its own. A save or a learning-rate raise
+        snapshot is taken where each cycle starts, on that copy, and holds only the optimizer state of its own. It is
+        also taken `hybrid_guard_snapshot_steps` steps after the last one, with a copy of its own (1x the parameters
+        more until the next cycle starts) when no cycle starts there. A save or a learning-rate raise
         asks for one at the next accepted step, which a resumed run takes at that step too: a copy of its own (1x the
         parameters more) until the next cycle starts, unless a raise on trial holds it as its undo point."""
         trainer, engine, snapshot = self.trainer, self.trainer._hybrid, self.snapshot
@@ -96,11 +97,11 @@ class GuardAtLoop:
         # Not before the optimizer has state (AdamW creates it at its first step; a resumed run has it from the
         # start), and never inside a jump: the engine may still reject it, and a snapshot would bring it back.
         possible = every and engine.optimizer.state and not engine.snapshot.valid
-        due = self.snapshot_asked or not snapshot.valid
+        # The rollback point is never older than `every` steps, however long a cycle is (the warmup's, or one that a
+        # rejected jump lengthened): such a cycle takes a copy of its own.
+        due = self.snapshot_asked or not snapshot.valid or (step - snapshot.step >= every and not self.snapshot_held)
         if cycle_started:
             due = due or not (self.snapshot_held and not snapshot.on_held_weights)
-        elif not engine.predictor.keeps_weights:
-            due = due or (step - snapshot.step >= every and not self.snapshot_held)
         if due and possible:
             # An asked-for snapshot, or a raise's undo point, keeps a copy of its own: a trial holds it across the next
             # cycle start (and a run resumed mid-trial takes its first one as the trial's too).

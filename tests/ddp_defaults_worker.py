@@ -23,7 +23,8 @@ from tests.test_guard import GUARD, SPIKE  # noqa: E402
 # The defaults, with the outer cycle and the warmup before it scaled down to a 40-step run, and a constant schedule:
 # a linear decay would freeze the learning-rate autopilot from step 20 on.
 DEFAULTS = dict(hybrid_predictor="outer", hybrid_outer_period=5, hybrid_warmup_steps=5, hybrid_payoff_check=True,
-                hybrid_max_rejections=0, lr_scheduler_type="constant", save_strategy="steps", save_steps=10)
+                hybrid_max_rejections=0, lr_scheduler_type="constant", save_strategy="steps", save_steps=10,
+                hybrid_guard_snapshot_steps=50)  # the default: the snapshots come at the cycle starts
 
 
 def main(out_dir: str, resume_from: str | None) -> None:

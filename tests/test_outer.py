@@ -97,7 +97,8 @@ def test_the_guards_snapshot_stands_on_the_anchor_and_a_rollback_restarts_the_cy
     and stands on the anchor, with only the optimizer state its own; a rollback puts the anchor back, bit for bit, and
     the next cycle starts there with no momentum."""
     plan = FaultPlan(spike_step=27)
-    trainer = guarded_trainer(tmp_out, plan, hybrid_predict=True, **OUTER)
+    # Snapshots due by count come later than every cycle start here (see the next test for a longer cycle).
+    trainer = guarded_trainer(tmp_out, plan, hybrid_predict=True, **OUTER, hybrid_guard_snapshot_steps=50)
     rows, weights_before_update = [], {}
 
     class Outer(TrainerCallback):
@@ -148,6 +149,25 @@ def test_after_a_save_the_guard_holds_a_copy_of_its_own_until_the_next_cycle_sta
     assert rows[14] == (13, False)  # a copy of its own, at the checkpoint's state
     assert all(rows[step] == (13, False) for step in range(14, after_save + 1))
     assert rows[after_save + 1] == (after_save, True)  # on the anchor again: the own copy is given back
+
+
+def test_a_cycle_longer_than_the_snapshot_interval_takes_copies_of_its_own(tmp_out):
+    """The warmup makes the first cycle long: the rollback point still moves every `hybrid_guard_snapshot_steps`
+    steps, with a copy of the weights of its own, and goes back onto the anchor where the next cycle starts."""
+    trainer = make_trainer(tmp_out, **OUTER, hybrid_warmup_steps=20, hybrid_guard_snapshot_steps=5, max_steps=40)
+    rows = {}
+
+    class Snapshots(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            outer, snapshot = trainer._hybrid.predictor, trainer._guard_loop.snapshot
+            rows[state.global_step] = (snapshot.step, snapshot.weights.tensors is outer.anchor)
+
+    trainer.add_callback(Snapshots())
+    trainer.train()
+    first_jump = min(r["step"] for r in guard_trace(tmp_out) if r["phase"] == "predict")
+    taken = sorted({rows[step] for step in range(1, first_jump) if rows[step][0] is not None})
+    assert taken == [(1, True), *((step, False) for step in range(6, first_jump - 1, 5))], taken
+    assert rows[first_jump + 1] == (first_jump, True)
 
 
 class ForwardCounter(TrainerCallback):

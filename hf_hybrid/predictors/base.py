@@ -86,14 +86,10 @@ class Predictor(ABC):
         whether it did (the guard then takes its snapshot, see `held_weights`)."""
         return False
 
-    @property
-    def keeps_weights(self) -> bool:
-        """Whether the predictor keeps a copy of the weights at the last `move_anchor`, unchanged until the next one
-        (the same on every rank, whichever ranks hold it): the guard's snapshot uses it instead of a copy of its own."""
-        return False
-
     def held_weights(self) -> list[Tensor] | None:
-        """That copy, on the ranks that hold it (under DDP, rank 0); None elsewhere."""
+        """A copy of the weights at the last `move_anchor` that the predictor keeps anyway, unchanged until the next
+        one, on the ranks that hold it (under DDP, rank 0); None elsewhere. The guard's snapshot taken where a cycle
+        starts uses it instead of a copy of its own."""
         return None
 
     @abstractmethod
