@@ -112,7 +112,7 @@ class HybridTrainingArguments(TrainingArguments):
             Outlier steps in a row after which the guard rolls back rather than skip again.
         hybrid_guard_snapshot_steps (`int`, defaults to `50`):
             Take the rollback snapshot (weights, optimizer state, schedule, RNG; in host memory) every this many
-            steps. With the `outer` predictor it is taken at each cycle's start instead, on the anchor's copy of the
+            steps. With the `outer` predictor it is also taken at each cycle's start, on the anchor's copy of the
             weights. 0 takes none: the guard then only skips, and a needed rollback stops the run.
         hybrid_guard_max_rollbacks (`int`, defaults to `3`):
             Rollbacks allowed in a run; the next needed one saves a checkpoint and stops training with an error.
@@ -182,7 +182,7 @@ class HybridTrainingArguments(TrainingArguments):
     )
     hybrid_guard_snapshot_steps: int = field(
         default=50,
-        metadata={"help": "Steps between rollback snapshots (host memory; outer: each cycle's start); 0 = none."},
+        metadata={"help": "Steps between rollback snapshots (host memory; outer: also each cycle's start); 0 = none."},
     )
     hybrid_guard_max_rollbacks: int = field(
         default=3, metadata={"help": "Rollbacks allowed before the run saves a checkpoint and stops."}
