@@ -129,12 +129,8 @@ def test_the_guards_snapshot_stands_on_the_anchor_and_a_rollback_restarts_the_cy
     assert trainer._guard_loop.snapshot.optimizer_state.tensors is not None
 
 
-def test_after_a_save_the_guard_holds_a_copy_of_its_own_until_the_next_cycle_starts(tmp_out):
-    """A resumed run has the anchor from the checkpoint but not the optimizer state of the cycle's start, so both runs
-    take a snapshot of their own at the step after a save (1x the parameters more), and stand on the anchor again
-    where the next cycle starts."""
-    trainer = make_trainer(tmp_out, **OUTER, max_steps=30, save_strategy="steps", save_steps=13,
-                           hybrid_payoff_check=False)
+def train_recording_snapshots(trainer) -> dict[int, tuple[int | None, bool]]:
+    """Train; after each step, the guard snapshot's step and whether its weights are the outer anchor."""
     rows = {}
 
     class Snapshots(TrainerCallback):
@@ -144,6 +140,16 @@ def test_after_a_save_the_guard_holds_a_copy_of_its_own_until_the_next_cycle_sta
 
     trainer.add_callback(Snapshots())
     trainer.train()
+    return rows
+
+
+def test_after_a_save_the_guard_holds_a_copy_of_its_own_until_the_next_cycle_starts(tmp_out):
+    """A resumed run has the anchor from the checkpoint but not the optimizer state of the cycle's start, so both runs
+    take a snapshot of their own at the step after a save (1x the parameters more), and stand on the anchor again
+    where the next cycle starts."""
+    trainer = make_trainer(tmp_out, **OUTER, max_steps=30, save_strategy="steps", save_steps=13,
+                           hybrid_payoff_check=False)
+    rows = train_recording_snapshots(trainer)
     jumps = [r["step"] for r in guard_trace(tmp_out) if r["phase"] == "predict"]
     after_save = min(j for j in jumps if j > 13)
     assert rows[14] == (13, False)  # a copy of its own, at the checkpoint's state
@@ -155,15 +161,7 @@ def test_a_cycle_longer_than_the_snapshot_interval_takes_copies_of_its_own(tmp_o
     """The warmup makes the first cycle long: the rollback point still moves every `hybrid_guard_snapshot_steps`
     steps, with a copy of the weights of its own, and goes back onto the anchor where the next cycle starts."""
     trainer = make_trainer(tmp_out, **OUTER, hybrid_warmup_steps=20, hybrid_guard_snapshot_steps=5, max_steps=40)
-    rows = {}
-
-    class Snapshots(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            outer, snapshot = trainer._hybrid.predictor, trainer._guard_loop.snapshot
-            rows[state.global_step] = (snapshot.step, snapshot.weights.tensors is outer.anchor)
-
-    trainer.add_callback(Snapshots())
-    trainer.train()
+    rows = train_recording_snapshots(trainer)
     first_jump = min(r["step"] for r in guard_trace(tmp_out) if r["phase"] == "predict")
     taken = sorted({rows[step] for step in range(1, first_jump) if rows[step][0] is not None})
     assert taken == [(1, True), *((step, False) for step in range(6, first_jump - 1, 5))], taken
