@@ -85,12 +85,11 @@ class GuardAtLoop:
     def accepted(self, cycle_started: bool) -> None:
         """A real step passed every check; before its update, take the snapshot when one is due.
 
-        While the predictor keeps a copy of the weights (the outer anchor, `cycle_started` where it just moved), the
-        snapshot is taken where each cycle starts, on that copy, and holds only the optimizer state of its own. It is
-        also taken `hybrid_guard_snapshot_steps` steps after the last one, with a copy of its own (1x the parameters
-        more until the next cycle starts) when no cycle starts there. A save or a learning-rate raise
-        asks for one at the next accepted step, which a resumed run takes at that step too: a copy of its own (1x the
-        parameters more) until the next cycle starts, unless a raise on trial holds it as its undo point."""
+        Where a cycle of the outer predictor starts (`cycle_started`: its anchor just moved), the snapshot stands on the
+        anchor and holds only the optimizer state of its own. It is also taken `hybrid_guard_snapshot_steps` steps
+        after the last one, and at the next accepted step after a save or a learning-rate raise (a resumed run takes
+        that one too); where no cycle starts, or for a raise's trial, with a copy of the weights of its own (1x the
+        parameters more), kept until the next cycle starts or, on a trial, until its verdict."""
         trainer, engine, snapshot = self.trainer, self.trainer._hybrid, self.snapshot
         step = trainer.state.global_step
         every = trainer.hybrid_settings.hybrid_guard_snapshot_steps

@@ -149,8 +149,8 @@ class HybridMixin:
             return grad_norm
         loss, norm = self._hybrid_reduce(self._hybrid_window_loss, grad_norm)
         guard = self._guard_loop
-        if (guard is not None and guard.vetoes(model, loss, norm)) or engine.check_real_step(loss, norm,
-                                                                                             self._hybrid_lr()):
+        guard_vetoes = guard is not None and guard.vetoes(model, loss, norm)
+        if guard_vetoes or engine.check_real_step(loss, norm, self._hybrid_lr()):
             self._hybrid_steps.veto_real_step()
         else:
             cycle_started = engine.start_cycle()
