@@ -12,11 +12,66 @@ import torch
 from torch import Tensor
 
 
-def host_like(t: Tensor) -> Tensor:
-    """An uninitialized buffer shaped like `t`: in pinned host memory when `t` is on an accelerator, else beside it."""
-    if t.is_cuda:
-        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    return torch.empty_like(t)
+def host_like(tensors: list[Tensor]) -> list[Tensor]:
+    """Uninitialized buffers shaped like `tensors`: in pinned host memory for the accelerator's tensors, else beside
+    each. The pinned ones are views into a few allocations packed by `pinned_layout`, because PyTorch's pinned-memory
+    allocator rounds each allocation up to a power of two: one buffer per tensor would pin 1.1-1.7x their bytes
+    at GPT-2's shapes (124M to 1.5B), the packed layout at most 1.03x."""
+    pinned = iter(packed_like([t for t in tensors if t.is_cuda], pin_memory=True))
+    return [next(pinned) if t.is_cuda else torch.empty_like(t) for t in tensors]
+
+
+# Each view starts on this many bytes, a multiple of every dtype's size (and of a cache line).
+_ALIGN = 64
+
+
+def pinned_layout(sizes: list[int]) -> list[tuple[int, list[tuple[int, int]]]]:
+    """Allocations whose capacities are powers of two, holding buffers of `sizes` bytes: (capacity, [(buffer index,
+    byte offset)]). First-fit decreasing into allocations as large as the largest buffer's power of two; an allocation
+    whose buffers fit into smaller ones for fewer bytes is split, recursively."""
+    padded = [-(-size // _ALIGN) * _ALIGN for size in sizes]
+
+    def pack(indices: list[int], capacity: int) -> list[tuple[int, list[int]]]:
+        bins: list[list[int]] = []  # the buffers' indices in each allocation
+        for i in sorted(indices, key=lambda i: -padded[i]):
+            target = next((b for b in bins if sum(padded[j] for j in b) + padded[i] <= capacity), None)
+            if target is None:
+                target = []
+                bins.append(target)
+            target.append(i)
+        out = []
+        for members in bins:
+            if capacity > _ALIGN and max(padded[i] for i in members) <= capacity // 2:
+                smaller = pack(members, capacity // 2)
+                if sum(c for c, _ in smaller) < capacity:
+                    out += smaller
+                    continue
+            out.append((capacity, members))
+        return out
+
+    if not sizes:
+        return []
+    largest = max(max(padded), _ALIGN)
+    layout = []
+    for capacity, members in pack(list(range(len(sizes))), 1 << (largest - 1).bit_length()):
+        offsets, offset = [], 0
+        for i in members:
+            offsets.append((i, offset))
+            offset += padded[i]
+        layout.append((capacity, offsets))
+    return layout
+
+
+def packed_like(tensors: list[Tensor], pin_memory: bool) -> list[Tensor]:
+    """Uninitialized host buffers shaped like `tensors`, as views into the allocations of `pinned_layout`."""
+    buffers: list[Tensor | None] = [None] * len(tensors)
+    for capacity, members in pinned_layout([t.numel() * t.element_size() for t in tensors]):
+        block = torch.empty(capacity, dtype=torch.uint8, pin_memory=pin_memory)
+        for i, offset in members:
+            t = tensors[i]
+            nbytes = t.numel() * t.element_size()
+            buffers[i] = block[offset:offset + nbytes].view(t.dtype).view(t.shape)
+    return buffers
 
 
 class HostCopies:

@@ -20,8 +20,8 @@ class WeightSnapshot:
     exists only on steps without gradients (a Predict step, a reading after the optimizer step), whose memory it
     takes instead of adding to the peak of a real step.
 
-    With `on_host`, every accelerator tensor is copied into pinned host memory instead, decided tensor by tensor (an
-    optimizer's state mixes device moments with a host `step` count): no device memory, for a device-to-host copy at
+    With `on_host`, every accelerator tensor is copied into pinned host memory instead (`host_like`; an optimizer's
+    state mixes device moments with a host `step` count): no device memory, for a device-to-host copy at
     each capture and a host-to-device copy at each restore. Both are queued on the current stream, so the tensors are
     not changed before the copy has read them and a later capture cannot overwrite a restore still in flight.
     """
@@ -44,7 +44,7 @@ class WeightSnapshot:
         if self.adopted:
             self.release()
         if self.tensors is None:
-            self.tensors = [host_like(t) if self.on_host else torch.empty_like(t) for t in tensors]
+            self.tensors = host_like(tensors) if self.on_host else [torch.empty_like(t) for t in tensors]
         self._copies.copy(self.tensors, tensors)
         self.valid = True
 

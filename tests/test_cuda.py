@@ -15,6 +15,7 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from hf_hybrid import HybridHFTrainer, Phase
+from hf_hybrid.host_buffers import pinned_layout
 
 from .conftest import hybrid_args, make_trainer, tiny_gpt2, token_dataset
 from .test_equivalence_resume import assert_bit_identical, check_resume_mid_predict, state
@@ -162,6 +163,28 @@ def test_engine_keeps_no_weight_copy_on_the_device_beyond_its_predictor(tmp_path
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     extra = max(hybrid_memory.samples) - max(plain_memory.samples)
     assert extra <= extra_buffers * weights + 64 * 1024, (extra, weights)
+
+
+def test_outer_state_and_the_guards_snapshot_sit_in_a_few_pinned_allocations(tmp_out):
+    """The anchor, the momentum and the guard's moments are pinned host views packed by `pinned_layout`, not one
+    allocation per tensor (which the pinned allocator would round up to a power of two each)."""
+    seen = []
+
+    class Placement(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            outer, snapshot = trainer._hybrid.predictor, trainer._guard_loop.snapshot
+            for name, tensors in (("anchor", outer.anchor), ("momentum", outer.buf),
+                                  ("moments", snapshot.optimizer_state.tensors)):
+                if tensors:
+                    seen.append((name, all(t.is_pinned() for t in tensors),
+                                 len({t.untyped_storage().data_ptr() for t in tensors}),
+                                 len(pinned_layout([t.numel() * t.element_size() for t in tensors]))))
+
+    trainer = make_trainer(tmp_out, hybrid_predictor="outer", hybrid_guard=True, **OUTER_ON_GPU, **ON_GPU)
+    trainer.add_callback(Placement())
+    trainer.train()
+    assert {"anchor", "moments"} <= {name for name, *_ in seen}, seen  # the momentum once a jump is kept
+    assert all(pinned and allocations == planned for _, pinned, allocations, planned in seen), seen
 
 
 @pytest.mark.parametrize("predictor", ["velocity", "adam"])

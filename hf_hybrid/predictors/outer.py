@@ -10,13 +10,15 @@ The schedule is the period, not the loss forecast's confidence: one Predict step
 Correct steps (there is no per-step residual to learn). The Predict step runs no backward; its batch is the probe.
 
 Memory: two parameter-sized buffers (the anchor, the momentum), element-wise on local shards, in pinned host memory on
-an accelerator. They then cost no device memory, but host-device copies of the parameters' bytes: 3x in per jump (the
-anchor for the probe's loss at the cycle's start, then the anchor and the momentum, tensor by tensor, for the step), 2x
-in and 1x out more per kept jump (the momentum's update), and 1x out per cycle start. The anchor is left intact by the
-jump (its pseudo-gradient is taken tensor by tensor, and again from the engine's undo copy when the jump is kept) and
-moves only at the start of the next cycle's first accepted real step, before its update: there the weights are known to
-be good, so the guard's snapshot takes the anchor as its copy of the weights (`held_weights`) instead of keeping one of
-its own, and holds only the optimizer state beside it.
+an accelerator. The momentum exists only while it is not zero, from the first kept jump until a guard rollback clears
+it: a run's first cycle (the warmup's) and a run whose jumps never pay hold the anchor alone. The buffers cost no device
+memory, but host-device copies of the parameters' bytes: 3x in per jump (the anchor for the probe's loss at the cycle's
+start, then the anchor and the momentum, tensor by tensor, for the step), 2x in and 1x out more per kept jump (the
+momentum's update), and 1x out per cycle start. The anchor is left intact by the jump (its pseudo-gradient is taken
+tensor by tensor, and again from the engine's undo copy when the jump is kept) and moves only at the start of the next
+cycle's first accepted real step, before its update: there the weights are known to be good, so the guard's snapshot
+takes the anchor as its copy of the weights (`held_weights`) instead of keeping one of its own, and holds only the
+optimizer state beside it.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ class OuterMomentumPredictor(Predictor):
         # A new cycle starts at the next accepted real step: the jump was judged, or the weights were put back.
         self.anchor_due = False
         self.cycle_steps = 0  # real updates since the anchor: the displacement weights - anchor is theirs
-        self.buf: list[Tensor] = [host_like(local_shard(p)).zero_() for p in params] if self.holds_state else []
+        self.buf: list[Tensor] = []  # the momentum, on the ranks that hold the state; empty while it is zero
         self.copies = HostCopies()
 
     def controller_settings(self) -> dict:
@@ -79,7 +81,7 @@ class OuterMomentumPredictor(Predictor):
         if self.holds_state:
             shards = self._shards()
             if self.anchor is None:
-                self.anchor = [host_like(p) for p in shards]
+                self.anchor = host_like(shards)
             self.copies.copy(self.anchor, shards)
         self.anchored, self.anchor_due, self.cycle_steps = True, False, 0
         return True
@@ -110,8 +112,7 @@ class OuterMomentumPredictor(Predictor):
         super().restart()
         self.anchor_due = True
         self.copies.wait()
-        for buf in self.buf:  # none on the ranks that do not hold the state
-            buf.zero_()
+        self.buf = []
 
     def release(self) -> None:
         self.anchor, self.anchored, self.buf = None, False, []
@@ -122,15 +123,18 @@ class OuterMomentumPredictor(Predictor):
         # anchor - a * (g + m * (m * buf + g)) = weights + (1 - a - a * m) * g - a * m^2 * buf, with the
         # pseudo-gradient g = anchor - weights one tensor at a time: the anchor stays the guard's copy of the weights.
         fetch = self.copies.fetch
-        for shard, anchor, buf in zip(self._shards(), self.anchor or [], self.buf):
+        for i, (shard, anchor) in enumerate(zip(self._shards(), self.anchor or [])):
             g = fetch(anchor, shard.device) - shard
             shard.add_(g, alpha=1 - a - a * m)
-            shard.add_(fetch(buf, shard.device), alpha=-a * m * m)
+            if self.buf:
+                shard.add_(fetch(self.buf[i], shard.device), alpha=-a * m * m)
         self.copies.mark()
         self._broadcast_weights()
 
     @torch.no_grad()
     def jump_kept(self, before: list[Tensor]) -> None:
+        if self.holds_state and not self.buf:  # the first kept jump since the start, or since a rollback
+            self.buf = [b.zero_() for b in host_like(self._shards())]
         fetch = self.copies.fetch
         for buf, anchor, start, shard in zip(self.buf, self.anchor or [], before, self._shards()):
             new = fetch(buf, shard.device)  # on the CPU, the buffer itself
@@ -158,9 +162,11 @@ class OuterMomentumPredictor(Predictor):
         self.anchored = state.get("anchored", bool(state["anchor"]))  # absent before the state was kept on rank 0
         self.anchor = None
         if self.holds_state and self.anchored:
-            self.anchor = [host_like(p) for p in self._shards()]
+            self.anchor = host_like(self._shards())
             load_tensors(self.anchor, state["anchor"], "outer anchor")
-        if self.holds_state:
+        self.buf = []
+        if self.holds_state and state["buf"]:
+            self.buf = host_like(self._shards())
             load_tensors(self.buf, state["buf"], "outer momentum")
         self.cycle_steps = state.get("cycle_steps", 0)  # absent from checkpoints written before it was counted
         # Before the anchor moved at the next accepted step, it moved at the verdict: nothing was due.
