@@ -127,7 +127,12 @@ class TrainingSnapshot:
             self.weights.release()  # rank 0's copy, broadcast at a restore, stands for this rank's
         elif on_held_weights:
             assert held_weights is not None, "the predictor keeps no weights on this rank"
-            self.weights.adopt(held_weights)
+            pinned = bool(not self.weights.adopted and self.weights.tensors and self.weights.tensors[0].is_pinned())
+            self.weights.adopt(held_weights)  # its own copy, if it had one, is dropped
+            if pinned:
+                # PyTorch keeps freed pinned memory reserved for reuse. The copy is taken again only in a long cycle or
+                # a trial, so it goes back to the system, at one device synchronization, rather than staying pinned.
+                torch.accelerator.empty_host_cache()
         else:
             self.weights.capture([local_shard(p) for p in params])
         self._on_held_weights = on_held_weights
