@@ -109,6 +109,8 @@ class GuardAtLoop:
                              trainer._hybrid_steps.schedule_state(), on_held_weights=not own,
                              held_weights=engine.predictor.held_weights())
             self.snapshot_asked = False
+            if self.snapshot_held:  # a learning-rate trial's undo point: its batches are recorded from this step on
+                engine.replay.begin_trial()
         elif cycle_started and snapshot.on_held_weights:
             snapshot.invalidate()  # its weights were the anchor, which just moved
 

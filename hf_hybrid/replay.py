@@ -1,4 +1,4 @@
-"""Batch replay: a rolled-back jump gives its batches back to the data stream.
+"""Batch replay: a rolled-back jump, or an undone learning-rate trial, gives its batches back to the data stream.
 
 The batches of a Predict phase (and of the Correct steps after it) are not trained on while the jump is
 open: predicted steps run no backward, and a rollback undoes the Correct steps too. Without replay they
@@ -9,6 +9,11 @@ With replay, the next real steps train on those batches first, in their original
 batch waits in a queue behind them, so the n-th real step trains on the Trainer's n-th batch. A run
 whose every jump is rejected then follows the Trainer's trajectory bit for bit, in real steps, and
 differs only in the time the attempts cost.
+
+A learning-rate trial (lr_autopilot.py) is undone the same way: the updates since its undo point are undone, and their
+batches come back first, so a run whose every raise is undone still trains on the Trainer's batches in order. A guard
+rollback is not a replay: its batches hold the trouble it caught, and are dropped (guard_loop.py); a trial that meets a
+guard event no longer replays its batches either.
 
 A unit is what `Trainer.get_batch_samples` returns for one optimizer step: the micro-batches and their
 item count. A unit is only swapped for one with as many micro-batches (the last step of an epoch may be
@@ -30,6 +35,10 @@ class BatchReplay:
         self.max_units = max_units
         self.queue: deque[Unit] = deque()
         self.open: list[Unit] | None = None  # units handed out since the open jump's snapshot
+        # Units handed out since a learning-rate trial's undo point. Not checkpointed: a save asks for a new undo point
+        # at the next accepted step (guard_loop.py), which starts a new record, in a resumed run too.
+        self.trial: list[Unit] | None = None
+        self.last: Unit | None = None  # the unit of the optimizer step under way
 
     def hand_out(self, fresh: Unit, new_jump: bool) -> Unit:
         """The unit for the next optimizer step; `new_jump` when that step starts a Predict phase."""
@@ -41,15 +50,37 @@ class BatchReplay:
             self.open = []
         if self.open is not None:
             self.open.append(unit)
+        if self.trial is not None:
+            self.trial.append(unit)
+        self.last = unit
         return unit
+
+    def _first(self, units: list[Unit]) -> None:
+        self.queue.extendleft(reversed(units))
+        while len(self.queue) > self.max_units:
+            self.queue.pop()
 
     def give_back(self) -> None:
         """The open jump was rolled back: its units go first, in order."""
         if self.open:
-            self.queue.extendleft(reversed(self.open))
-            while len(self.queue) > self.max_units:
-                self.queue.pop()
+            self._first(self.open)
+            if self.trial:  # a trial's snapshot is never taken inside a jump, so the jump's units are its last
+                del self.trial[len(self.trial) - len(self.open):]
         self.open = None
+
+    def begin_trial(self) -> None:
+        """A learning-rate trial's undo point was just taken, before the update of the step under way."""
+        self.trial = [self.last] if self.last is not None else []
+
+    def undo_trial(self) -> None:
+        """The trial was undone back to its undo point: the units since then go first, in order."""
+        if self.trial:
+            self._first(self.trial)
+        self.trial = None
+
+    def end_trial(self) -> None:
+        """The trial was kept, or a guard event dropped batches inside it: nothing will be given back."""
+        self.trial = None
 
     def settle(self) -> None:
         """The open jump was kept: its units were used."""

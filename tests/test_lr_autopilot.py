@@ -16,7 +16,7 @@ from hf_hybrid.forward_checks import probe_loss
 from hf_hybrid.lr_scale import LrScale, reach_of_line
 from hf_hybrid.step_line import SPACING, next_step_line
 
-from .conftest import hybrid_args, make_trainer, tiny_gpt2, token_dataset
+from .conftest import hybrid_args, make_trainer, reject_every_jump, tiny_gpt2, token_dataset
 from .test_equivalence_resume import assert_bit_identical, state
 from .test_lr_advice import OUTER
 
@@ -187,6 +187,62 @@ def test_an_undone_raise_puts_back_the_weights_before_its_first_update(tmp_out, 
     assert undone_at, "no raise was tried"
     assert cycles_in_trial, "no outer cycle started during a trial"
     assert trainer._hybrid.made_up_steps >= 5 * len(undone_at)  # a cycle's updates were undone each time
+
+
+def fail_every_trial_and_jump(monkeypatch) -> None:
+    original = LrScale.reading
+
+    def fail_every_trial(self, f0, f1, f2, **kwargs):
+        if self.on_trial:
+            f0 = self.last_loss
+        return original(self, f0, f1, f2, **kwargs)
+
+    monkeypatch.setattr(LrScale, "reading", fail_every_trial)
+    reject_every_jump(monkeypatch)
+
+
+# One epoch of the larger dataset: room to make up the undone updates.
+UNDONE = dict(OUTER, learning_rate=1e-4, max_steps=100)
+
+
+def test_an_undone_raise_gives_its_batches_back_so_the_run_stays_on_the_trainers_path(tmp_path, monkeypatch):
+    """Every raise fails its trial and every jump is rejected: the undone updates are made up on their own batches, in
+    their order, so the run ends at the plain Trainer's weights bit for bit."""
+    fail_every_trial_and_jump(monkeypatch)
+    settings = UNDONE
+    hybrid = make_trainer(tmp_path / "hybrid", dataset=token_dataset(2048), **settings)
+    hybrid.train()
+    assert hybrid._lr_autopilot.scale.trials_undone >= 1 and hybrid.hybrid_stats()["predictions_kept"] == 0
+    plain = make_trainer(tmp_path / "plain", dataset=token_dataset(2048), hybrid=False, **settings)
+    plain.train()
+    assert hybrid.state.global_step > plain.state.global_step == 100
+    assert_bit_identical(state(plain.model), state(hybrid.model))
+
+
+def test_a_run_resumed_during_a_trial_that_is_then_undone_replays_the_same_batches(tmp_path, monkeypatch):
+    """The save asks for a new undo point at the next accepted step, where both runs start recording the trial's
+    batches afresh: the record itself is not checkpointed."""
+    fail_every_trial_and_jump(monkeypatch)
+    settings = dict(UNDONE, save_strategy="steps", save_steps=4)
+    full_run = make_trainer(tmp_path / "full", dataset=token_dataset(2048), **settings)
+    trials = {}
+
+    class TrialSteps(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            scale = full_run._lr_autopilot.scale
+            trials[state.global_step] = (scale.on_trial, scale.trials_undone)
+
+    full_run.add_callback(TrialSteps())
+    full_run.train()
+    undone = full_run._lr_autopilot.scale.trials_undone
+    saved = {int(path.name.split("-")[1]) for path in (tmp_path / "full").glob("checkpoint-*")}
+    mid = next(step for step, (on, before) in trials.items() if on and before < undone and step in saved)
+    resumed_model = tiny_gpt2(seed=123)
+    resumed = HybridHFTrainer(model=resumed_model, args=hybrid_args(tmp_path / "resumed", **settings),
+                              train_dataset=token_dataset(2048))
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / f"checkpoint-{mid}"))
+    assert resumed._lr_autopilot.scale.trials_undone == full_run._lr_autopilot.scale.trials_undone >= 1
+    assert_bit_identical(state(full_run.model), state(resumed_model))
 
 
 def test_resume_during_a_trial_is_bit_identical(tmp_path):
