@@ -19,7 +19,7 @@ from .divergence import non_finite
 from .forward_checks import forked_rng
 from .guard import Action, GuardEvent, StepGuard
 from .replay import move_unit
-from .snapshot import TrainingSnapshot
+from .snapshot import TrainingSnapshot, rng_state
 
 logger = logging.get_logger(__name__)
 
@@ -51,6 +51,9 @@ class GuardAtLoop:
         # Set while a learning-rate raise is on trial (lr_autopilot.py): the snapshot is its undo point, not replaced
         # on the periodic schedule until the raise is judged.
         self.snapshot_held = False
+        # The RNG at the start of the real step under way, when a trial's undo point is due in it: an undone trial
+        # trains that step again on its own batch (replay.py), and must draw the same dropout masks.
+        self.step_rng: dict | None = None
         if saved is not None:
             self.guard.load_state_dict(saved["stats"])
             reference = saved["reference"]
@@ -58,6 +61,9 @@ class GuardAtLoop:
 
     def add_micro_batch(self, inputs: dict, first: bool) -> None:
         self.inputs = [inputs] if first else [*self.inputs, inputs]
+        if first:
+            due = self.snapshot_asked or not self.snapshot.valid  # a run resumed mid-trial takes its first one
+            self.step_rng = rng_state() if due and self.snapshot_held else None
 
     def vetoes(self, model, loss: float, grad_norm: float | None) -> bool:
         """The verdict on a real step; a flagged step is vetoed now and dealt with at the step's end."""
@@ -107,7 +113,7 @@ class GuardAtLoop:
             own = self.snapshot_asked or self.snapshot_held or not cycle_started
             snapshot.capture(step, engine.made_up_steps, engine.params, engine.optimizer,
                              trainer._hybrid_steps.schedule_state(), on_held_weights=not own,
-                             held_weights=engine.predictor.held_weights())
+                             held_weights=engine.predictor.held_weights(), rng=self.step_rng)
             self.snapshot_asked = False
             if self.snapshot_held:  # a learning-rate trial's undo point: its batches are recorded from this step on
                 engine.replay.begin_trial()

@@ -115,9 +115,11 @@ class TrainingSnapshot:
         self.step = None
 
     def capture(self, step: int, made_up: int, params: list[Tensor], optimizer: torch.optim.Optimizer,
-                schedule: dict, on_held_weights: bool = False, held_weights: list[Tensor] | None = None) -> None:
+                schedule: dict, on_held_weights: bool = False, held_weights: list[Tensor] | None = None,
+                rng: dict | None = None) -> None:
         """`on_held_weights`: stand on the predictor's copy of the weights, `held_weights` on the ranks that keep
-        copies (every rank but under DDP, where rank 0 keeps the predictor's state too)."""
+        copies (every rank but under DDP, where rank 0 keeps the predictor's state too). `rng`: the RNG state to put
+        back (`rng_state()` at the step's start, before its forward drew dropout masks), else the state now."""
         keys, tensors, scalars = _optimizer_entries(params, optimizer)
         if keys != self.keys:  # the buffers are reused, so they are rebuilt only when the state's layout changes
             self.optimizer_state, self.counters = WeightSnapshot(on_host=True), WeightSnapshot(on_host=True)
@@ -141,7 +143,7 @@ class TrainingSnapshot:
         if counters:
             self.counters.capture(counters)
         self.scalars = scalars
-        self.schedule, self.rng = schedule, _rng_state()
+        self.schedule, self.rng = schedule, rng if rng is not None else rng_state()
         self.step, self.made_up = step, made_up
 
     def restore(self, params: list[Tensor], optimizer: torch.optim.Optimizer) -> dict:
@@ -186,7 +188,7 @@ def _optimizer_entries(params: list[Tensor], optimizer: torch.optim.Optimizer):
     return keys, tensors, scalars
 
 
-def _rng_state() -> dict:
+def rng_state() -> dict:
     # Plain types and tensors only, so that checkpoints load with weights_only=True.
     name, keys, pos, has_gauss, cached = np.random.get_state()
     state = {"python": random.getstate(), "numpy": [name, keys.tolist(), pos, has_gauss, cached],
