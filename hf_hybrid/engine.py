@@ -111,6 +111,10 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
         self.epoch_seed.handing_out(unit, real_step=c.phase is not Phase.PREDICT)
         return unit
 
+    def rng_loaded(self) -> None:
+        """A resumed run's RNG came from the checkpoint, after the step's batches were fetched (epoch_seed.py)."""
+        self.epoch_seed.rng_loaded(self.replay.last, real_step=self.controller.phase is not Phase.PREDICT)
+
     def check_real_step(self, loss: float, grad_norm: float | None, lr: float) -> bool:
         """After backward on a real step; returns True when the optimizer step must be vetoed."""
         record = self.record
@@ -238,6 +242,7 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
             "predictor": self.predictor.state_dict(),
             "snapshot": self.snapshot.state_dict(),
             "replay": self.replay.state_dict(),
+            "epoch_seed": self.epoch_seed.state_dict(self.replay.queue),
             "probe": {k: v.detach().cpu() for k, v in self.probe.items()} if self.probe is not None else None,
             "probe_loss": self.probe_loss,
             "skipped_steps": self.skipped_steps,
@@ -262,6 +267,7 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
         device = self.params[0].device
         if "replay" in state:  # absent from checkpoints written before replay existed
             self.replay.load_state_dict(state["replay"], device)
+        self.epoch_seed.load_state_dict(state.get("epoch_seed"), self.replay.queue)
         self.probe = {k: v.to(device) for k, v in state["probe"].items()} if state["probe"] is not None else None
         self.probe_loss = state["probe_loss"]
         self.skipped_steps = state["skipped_steps"]

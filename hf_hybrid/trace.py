@@ -32,7 +32,12 @@ class StepTrace:
     def elapsed(self) -> float:
         return time.perf_counter() - self.t0
 
-    def write(self, row: dict) -> None:
+    def write_step(self, step: int, record, engine, guard_action: str | None, probe_line: float | None,
+                   lr: float) -> None:
+        """The row of the optimizer step that just ended (`record`: the engine's record of it)."""
+        row = {"step": step, "phase": record.phase.value, "loss": record.loss, "time": self.elapsed(),
+               "confidence": engine.confidence, "prediction_error": engine.predictor.last_residual,
+               "rollback": record.rollback, "guard": guard_action, "probe_line": probe_line, "lr": lr}
         self._file.write(json.dumps(row) + "\n")
 
     @property

@@ -13,6 +13,7 @@ backward). Each override exists for one reason:
   a real step the gradient norm is where a NaN or an explosion is caught before the optimizer runs;
 - `_save_optimizer_and_scheduler` / `_load_optimizer_and_scheduler`: they run on every rank, so the
   hybrid state is saved and restored beside the optimizer's (checkpoint.py: replicated tensors once per job);
+- `_load_rng_state`: the checkpoint's RNG already holds the DataLoader seed draws that epoch_seed.py defers;
 - `log`: to merge the `hybrid/...` metrics into the Trainer's logs, so every `report_to` gets them;
 - `train`: a run the guard stopped raises `GuardStoppedError` once the Trainer has finished its bookkeeping.
 The other loop points come through a callback placed first in line, so that a rolled-back step is made up before
@@ -189,18 +190,9 @@ class HybridMixin:
             real_step = record.phase.has_backward and not (record.skipped or record.rollback)
             autopilot.end_step(record.step, real_step, guard_action)
         if self._hybrid_trace is not None:
-            self._hybrid_trace.write({
-                "step": self.state.global_step,
-                "phase": record.phase.value,
-                "loss": record.loss,
-                "time": self._hybrid_trace.elapsed(),
-                "confidence": engine.confidence,
-                "prediction_error": engine.predictor.last_residual,
-                "rollback": record.rollback,
-                "guard": guard_action,
-                "probe_line": autopilot.last_line if autopilot is not None else None,
-                "lr": self._hybrid_lr(),
-            })
+            probe_line = autopilot.last_line if autopilot is not None else None
+            self._hybrid_trace.write_step(self.state.global_step, record, engine, guard_action, probe_line,
+                                          self._hybrid_lr())
         self._hybrid_steps.show_phase(next_phase.value)
 
     # ---- helpers ----------------------------------------------------------------------------------
@@ -287,6 +279,11 @@ class HybridMixin:
             state = find_hybrid_state(checkpoint, self.args.process_index)
             if state is not None:
                 self._hybrid_pending_state = state
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        super()._load_rng_state(checkpoint)
+        if self._hybrid is not None:
+            self._hybrid.rng_loaded()
 
     def train(self, *args, **kwargs):
         output = super().train(*args, **kwargs)

@@ -20,10 +20,11 @@ VOCAB = 64
 BLOCK = 16
 
 
-def tiny_gpt2(seed: int = 0) -> GPT2LMHeadModel:
+def tiny_gpt2(seed: int = 0, dropout: float = 0.0) -> GPT2LMHeadModel:
+    """`dropout`: every forward draws masks from the RNG, which a replayed or resumed step must draw again alike."""
     torch.manual_seed(seed)
-    config = GPT2Config(vocab_size=VOCAB, n_positions=BLOCK, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    config = GPT2Config(vocab_size=VOCAB, n_positions=BLOCK, n_embd=32, n_layer=2, n_head=2, resid_pdrop=dropout,
+                        embd_pdrop=dropout, attn_pdrop=dropout, bos_token_id=0, eos_token_id=0)
     return GPT2LMHeadModel(config)
 
 

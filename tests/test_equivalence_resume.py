@@ -71,6 +71,31 @@ def test_resume_mid_predict_then_rollback_is_bit_identical(tmp_path, monkeypatch
     assert_bit_identical(state(full_run.model), state(resumed_model))
 
 
+def test_a_run_with_dropout_resumed_near_an_epoch_start_draws_the_same_masks(tmp_path, monkeypatch):
+    """Rejected jumps leave batches waiting for replay, so each epoch's DataLoader seed draw is deferred past the
+    epoch's first fetch (epoch_seed.py). Resumed mid-epoch after the draw was made, the checkpoint's RNG holds it and
+    the resumed run's own iterator adds none; resumed while it is still deferred, the checkpoint carries it. Both end
+    at the uninterrupted run's weights bit for bit: dropout draws every mask from the same RNG."""
+    reject_every_jump(monkeypatch)
+    settings = dict(max_steps=40, save_strategy="steps", save_steps=1, hybrid_payoff_check=True)
+    examples = 128  # 16 steps per epoch
+
+    full_run = make_trainer(tmp_path / "full", model=tiny_gpt2(dropout=0.1), dataset=token_dataset(examples),
+                            **settings)
+    full_run.train()
+    saved = {int(path.name.split("-")[1]): find_hybrid_state(str(path), 0)
+             for path in (tmp_path / "full").glob("checkpoint-*")}
+    deferred = min(step for step, state in saved.items() if state["epoch_seed"]["queued_at"] is not None)
+    made = min(step for step, state in saved.items()
+               if step > deferred and state["replay"]["queue"] and state["epoch_seed"]["queued_at"] is None)
+    for step in (deferred, made):
+        resumed_model = tiny_gpt2(seed=123, dropout=0.1)
+        resumed = HybridHFTrainer(model=resumed_model, args=hybrid_args(tmp_path / f"resumed-{step}", **settings),
+                                  train_dataset=token_dataset(examples))
+        resumed.train(resume_from_checkpoint=str(tmp_path / "full" / f"checkpoint-{step}"))
+        assert_bit_identical(state(full_run.model), state(resumed_model))
+
+
 def check_resume_mid_predict(tmp_path, **extra) -> tuple[HybridHFTrainer, HybridHFTrainer]:
     settings = dict(max_steps=30, save_strategy="steps", save_steps=1, hybrid_payoff_check=True, **extra)
     full_run = make_trainer(tmp_path / "full", **settings)

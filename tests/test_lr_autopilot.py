@@ -205,23 +205,15 @@ def fail_every_trial_and_jump(monkeypatch) -> None:
 UNDONE = dict(OUTER, learning_rate=1e-4, max_steps=100)
 
 
-def with_dropout(model: torch.nn.Module) -> torch.nn.Module:
-    """Dropout draws from the RNG in every forward: a replayed step must draw the same masks as the first time."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.1
-    return model
-
-
 def test_an_undone_raise_gives_its_batches_back_so_the_run_stays_on_the_trainers_path(tmp_path, monkeypatch):
     """Every raise fails its trial and every jump is rejected: the undone updates are made up on their own batches, in
     their order, so the run ends at the plain Trainer's weights bit for bit."""
     fail_every_trial_and_jump(monkeypatch)
     settings = UNDONE
-    hybrid = make_trainer(tmp_path / "hybrid", model=with_dropout(tiny_gpt2()), dataset=token_dataset(2048), **settings)
+    hybrid = make_trainer(tmp_path / "hybrid", model=tiny_gpt2(dropout=0.1), dataset=token_dataset(2048), **settings)
     hybrid.train()
     assert hybrid._lr_autopilot.scale.trials_undone >= 1 and hybrid.hybrid_stats()["predictions_kept"] == 0
-    plain = make_trainer(tmp_path / "plain", model=with_dropout(tiny_gpt2()), dataset=token_dataset(2048), hybrid=False,
+    plain = make_trainer(tmp_path / "plain", model=tiny_gpt2(dropout=0.1), dataset=token_dataset(2048), hybrid=False,
                          **settings)
     plain.train()
     assert hybrid.state.global_step > plain.state.global_step == 100
@@ -233,8 +225,7 @@ def test_a_run_resumed_during_a_trial_that_is_then_undone_replays_the_same_batch
     batches afresh: the record itself is not checkpointed."""
     fail_every_trial_and_jump(monkeypatch)
     settings = dict(UNDONE, save_strategy="steps", save_steps=4)
-    # No dropout: a run resumed with the autopilot does not yet draw the same dropout masks (docs/benchmarks.md).
-    full_run = make_trainer(tmp_path / "full", dataset=token_dataset(2048), **settings)
+    full_run = make_trainer(tmp_path / "full", model=tiny_gpt2(dropout=0.1), dataset=token_dataset(2048), **settings)
     trials = {}
 
     class TrialSteps(TrainerCallback):
@@ -247,7 +238,7 @@ def test_a_run_resumed_during_a_trial_that_is_then_undone_replays_the_same_batch
     undone = full_run._lr_autopilot.scale.trials_undone
     saved = {int(path.name.split("-")[1]) for path in (tmp_path / "full").glob("checkpoint-*")}
     mid = next(step for step, (on, before) in trials.items() if on and before < undone and step in saved)
-    resumed_model = tiny_gpt2(seed=123)
+    resumed_model = tiny_gpt2(seed=123, dropout=0.1)
     resumed = HybridHFTrainer(model=resumed_model, args=hybrid_args(tmp_path / "resumed", **settings),
                               train_dataset=token_dataset(2048))
     resumed.train(resume_from_checkpoint=str(tmp_path / "full" / f"checkpoint-{mid}"))

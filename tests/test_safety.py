@@ -181,11 +181,7 @@ class WeightsPerStep(TrainerCallback):
 
 
 def dropout_gpt2() -> torch.nn.Module:
-    model = tiny_gpt2()
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.1
-    return model
+    return tiny_gpt2(dropout=0.1)
 
 
 @pytest.mark.parametrize("model, examples", [(dropout_gpt2, 1024), (tiny_gpt2, 512), (dropout_gpt2, 512)],
