@@ -8,9 +8,8 @@ Trainer's and land at a different point for reasons that have nothing to do with
 With replay, the next real steps train on those batches first, in their original order. Each fresh
 batch waits in a queue behind them, so the n-th real step trains on the Trainer's n-th batch. A run
 whose every jump is rejected then follows the Trainer's trajectory bit for bit, in real steps, and
-differs only in the time the attempts cost. Not with dropout and evaluation during training: evaluations
-come at global steps, which made-up steps move against the real updates, and they touch the global RNG
-(docs/benchmarks.md, run 116b).
+differs only in the time the attempts cost, with dropout and evaluations too: an evaluation comes after
+as many of the Trainer's updates as the Trainer's (step_veto.py), and so does its DataLoader's seed draw.
 
 A learning-rate trial (lr_autopilot.py) is undone the same way: the updates since its undo point are undone, and their
 batches come back first, so a run whose every raise is undone still trains on the Trainer's batches in order. A guard

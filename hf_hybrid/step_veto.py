@@ -12,7 +12,7 @@ import copy
 
 import torch
 from transformers.trainer_callback import DefaultFlowCallback, ProgressCallback, TrainerCallback
-from transformers.trainer_utils import SaveStrategy
+from transformers.trainer_utils import IntervalStrategy, SaveStrategy
 from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
@@ -106,33 +106,51 @@ class StepVeto:
         ]
 
 
-class SaveOnCountedSteps(TrainerCallback):
-    """`--save_steps` counts the updates that count, as `max_steps` does: a step made up for a rolled-back jump or a
-    skipped step does not move the save schedule, so the run writes the Trainer's checkpoints and no extra one (a
-    made-up step would otherwise meet `save_steps` once before the extended end, which saves again). Placed right
-    after `DefaultFlowCallback`, whose decision it corrects; a save asked for by anything else (the end of training,
-    the guard's stop, a callback further down) stands."""
+class CountedStepSchedule(TrainerCallback):
+    """`--save_steps` and `--eval_steps` count the updates that count, as `max_steps` does: a step made up for a
+    rolled-back jump, an undone learning-rate trial or a skipped step does not move either schedule.
+
+    So the run writes the Trainer's checkpoints and no extra one (a made-up step would otherwise meet `save_steps` once
+    before the extended end, which saves again), and evaluates after as many of the Trainer's updates as the Trainer
+    does. There its held-out loss is comparable step for step, and its DataLoader draws its seed from the global RNG
+    (on CPU the dropout RNG too) where the Trainer's does: evaluating at global steps, which made-up steps bring early,
+    would shift every dropout mask after it, and a run whose every jump was rejected would no longer end at the
+    Trainer's weights. For the same reason an evaluation waits for an open jump's verdict (a rejected one takes the
+    count back), and one that an undo took back comes again when the count returns to it.
+
+    Placed right after `DefaultFlowCallback`, whose decisions it corrects; a save or an evaluation asked for by
+    anything else (the end of training, the guard's stop, a callback further down) stands."""
 
     def __init__(self, engine_of) -> None:
         self.engine_of = engine_of  # the trainer's engine at call time (None with the hybrid off or between runs)
+        self.evaluated: int | None = None  # the multiple of eval_steps the last scheduled evaluation stood for
 
     def on_step_end(self, args, state, control, **kwargs):
         engine = self.engine_of()
-        every = state.save_steps
-        if engine is None or args.save_strategy != SaveStrategy.STEPS or not every or control.should_training_stop:
-            return
-        if state.global_step >= state.max_steps:
+        if engine is None or control.should_training_stop or state.global_step >= state.max_steps:
             return
         counted = state.global_step - engine.made_up_steps
-        if state.global_step % every == 0:  # DefaultFlowCallback's own reason to save
-            control.should_save = False
-        record = engine.last_record
-        this_step_counts = record is not None and not (record.rollback or record.skipped)
-        if this_step_counts and counted > 0 and counted % every == 0:
-            control.should_save = True
+        every = state.save_steps
+        if args.save_strategy == SaveStrategy.STEPS and every:
+            if state.global_step % every == 0:  # DefaultFlowCallback's own reason to save
+                control.should_save = False
+            record = engine.last_record
+            this_step_counts = record is not None and not (record.rollback or record.skipped)
+            if this_step_counts and counted > 0 and counted % every == 0:
+                control.should_save = True
+        every = state.eval_steps
+        if args.eval_strategy == IntervalStrategy.STEPS and every:
+            if self.evaluated is None or counted < self.evaluated:  # a (resumed) run's start, or an undo
+                self.evaluated = counted // every * every
+            if state.global_step % every == 0:  # DefaultFlowCallback's own reason to evaluate
+                control.should_evaluate = False
+            due = counted >= self.evaluated + every and counted >= args.eval_delay
+            if due and not engine.snapshot.valid:  # not inside a jump still waiting for its verdict
+                control.should_evaluate = True
+                self.evaluated = counted // every * every
 
     @staticmethod
     def install(trainer) -> None:
         callbacks = trainer.callback_handler.callbacks
         after = next((i + 1 for i, c in enumerate(callbacks) if isinstance(c, DefaultFlowCallback)), len(callbacks))
-        callbacks.insert(after, SaveOnCountedSteps(lambda: trainer._hybrid))
+        callbacks.insert(after, CountedStepSchedule(lambda: trainer._hybrid))

@@ -17,7 +17,7 @@ backward). Each override exists for one reason:
 - `log`: to merge the `hybrid/...` metrics into the Trainer's logs, so every `report_to` gets them;
 - `train`: a run the guard stopped raises `GuardStoppedError` once the Trainer has finished its bookkeeping.
 The other loop points come through a callback placed first in line, so that a rolled-back step is made up before
-`DefaultFlowCallback` decides whether to stop; one right after it keeps the save schedule on the counted steps.
+`DefaultFlowCallback` decides whether to stop; one right after it keeps saves and evaluations on the counted steps.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from .lr_autopilot import LrAutopilot, build_autopilot
 from .lr_scale import LrScale
 from .memory import EmergencyCheckpointCallback, VramMonitor
 from .predict_step import predict_training_step
-from .step_veto import SaveOnCountedSteps, StepVeto
+from .step_veto import CountedStepSchedule, StepVeto
 from .trace import StepTrace
 
 __all__ = ["GuardStoppedError", "HybridHFTrainer", "HybridMixin", "load_hybrid_state"]
@@ -96,7 +96,7 @@ class HybridMixin:
                            f"{', '.join('--' + f for f in ignored)}: they have no effect on this run.")
         # First in line: a rollback extends max_steps at the step's end, before DefaultFlowCallback decides to stop.
         self.callback_handler.callbacks.insert(0, _HybridStepHooks(self))
-        SaveOnCountedSteps.install(self)
+        CountedStepSchedule.install(self)
         # Registered on every rank alike (it all-reduces): not on this rank's NVML reading, which may fail alone.
         if self.hybrid_settings.hybrid_vram_min_free_mb > 0 and torch.cuda.is_available():
             self.add_callback(EmergencyCheckpointCallback(self._vram, self.hybrid_settings.hybrid_vram_min_free_mb))

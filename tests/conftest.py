@@ -72,11 +72,12 @@ def hybrid_args(output_dir, **overrides) -> HybridTrainingArguments:
     return HybridTrainingArguments(**values)
 
 
-def make_trainer(output_dir, model=None, dataset=None, **overrides) -> HybridHFTrainer:
+def make_trainer(output_dir, model=None, dataset=None, eval_dataset=None, **overrides) -> HybridHFTrainer:
     return HybridHFTrainer(
         model=model if model is not None else tiny_gpt2(),
         args=hybrid_args(output_dir, **overrides),
         train_dataset=dataset if dataset is not None else token_dataset(),
+        eval_dataset=eval_dataset,
     )
 
 

@@ -207,14 +207,17 @@ UNDONE = dict(OUTER, learning_rate=1e-4, max_steps=100)
 
 def test_an_undone_raise_gives_its_batches_back_so_the_run_stays_on_the_trainers_path(tmp_path, monkeypatch):
     """Every raise fails its trial and every jump is rejected: the undone updates are made up on their own batches, in
-    their order, so the run ends at the plain Trainer's weights bit for bit."""
+    their order, so the run ends at the plain Trainer's weights bit for bit. With dropout and evaluations, whose
+    DataLoader seed draws come after as many of the Trainer's updates as the Trainer's, again after an undo."""
     fail_every_trial_and_jump(monkeypatch)
-    settings = UNDONE
-    hybrid = make_trainer(tmp_path / "hybrid", model=tiny_gpt2(dropout=0.1), dataset=token_dataset(2048), **settings)
+    settings = dict(UNDONE, eval_strategy="steps", eval_steps=7)
+    held_out = token_dataset(16, seed=1)
+    hybrid = make_trainer(tmp_path / "hybrid", model=tiny_gpt2(dropout=0.1), dataset=token_dataset(2048),
+                          eval_dataset=held_out, **settings)
     hybrid.train()
     assert hybrid._lr_autopilot.scale.trials_undone >= 1 and hybrid.hybrid_stats()["predictions_kept"] == 0
-    plain = make_trainer(tmp_path / "plain", model=tiny_gpt2(dropout=0.1), dataset=token_dataset(2048), hybrid=False,
-                         **settings)
+    plain = make_trainer(tmp_path / "plain", model=tiny_gpt2(dropout=0.1), dataset=token_dataset(2048),
+                         eval_dataset=held_out, hybrid=False, **settings)
     plain.train()
     assert hybrid.state.global_step > plain.state.global_step == 100
     assert_bit_identical(state(plain.model), state(hybrid.model))

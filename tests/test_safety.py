@@ -184,9 +184,12 @@ def dropout_gpt2() -> torch.nn.Module:
     return tiny_gpt2(dropout=0.1)
 
 
-@pytest.mark.parametrize("model, examples", [(dropout_gpt2, 1024), (tiny_gpt2, 512), (dropout_gpt2, 512)],
-                         ids=["dropout", "two-epochs", "dropout-two-epochs"])
-def test_after_rejected_jumps_training_is_the_trainers_bit_for_bit(tmp_path, monkeypatch, model, examples):
+@pytest.mark.parametrize("model, examples, evaluations",
+                         [(dropout_gpt2, 1024, False), (tiny_gpt2, 512, False), (dropout_gpt2, 512, False),
+                          (dropout_gpt2, 512, True)],
+                         ids=["dropout", "two-epochs", "dropout-two-epochs", "dropout-two-epochs-evaluated"])
+def test_after_rejected_jumps_training_is_the_trainers_bit_for_bit(tmp_path, monkeypatch, model, examples,
+                                                                    evaluations):
     """With every jump rejected, the hybrid's n-th real step ends at the plain Trainer's n-th step's weights, bit
     for bit, under a decaying learning rate: nothing leaks past a rollback (weights, optimizer state, dropout RNG,
     schedule), the rolled-back jump's batches are trained on next, in the Trainer's order, and the steps it undid
@@ -195,18 +198,22 @@ def test_after_rejected_jumps_training_is_the_trainers_bit_for_bit(tmp_path, mon
     Two runs cross into a second epoch (64 batches each) with replayed batches still queued. The hybrid reaches the
     epoch's end at an earlier real step, and each epoch's DataLoader iterator draws its seed from the global RNG,
     which on CPU is also the dropout RNG: with dropout, the masks match only because that draw is deferred to the
-    real step where the Trainer makes it (epoch_seed.py)."""
+    real step where the Trainer makes it (epoch_seed.py). So is each evaluation's: the hybrid evaluates at global
+    steps that its made-up steps brought earlier in real steps (eval_seed.py)."""
     plain = WeightsPerStep()
     settings = dict(max_steps=100, lr_scheduler_type="linear")  # room for 28 more steps in the last epoch
-    reference = make_trainer(tmp_path / "plain", model=model(), dataset=token_dataset(examples), hybrid=False,
-                             **settings)
+    if evaluations:
+        settings.update(eval_strategy="steps", eval_steps=10)
+    evaluation = token_dataset(16, seed=1) if evaluations else None
+    reference = make_trainer(tmp_path / "plain", model=model(), dataset=token_dataset(examples),
+                             eval_dataset=evaluation, hybrid=False, **settings)
     reference.add_callback(plain)
     reference.train()
 
     reject_every_jump(monkeypatch)
     recorder = StepRecorder()
     # The learning-rate autopilot off: a kept raise is meant to leave the Trainer's trajectory (test_lr_autopilot.py).
-    trainer = make_trainer(tmp_path / "hybrid", model=model(), dataset=token_dataset(examples),
+    trainer = make_trainer(tmp_path / "hybrid", model=model(), dataset=token_dataset(examples), eval_dataset=evaluation,
                            hybrid_payoff_check=True, hybrid_max_rejections=3, hybrid_lr_autopilot=False, **settings)
     trainer.add_callback(recorder)
     recorder.trainer = trainer
