@@ -19,7 +19,7 @@ from presets import EMA_DECAY, PRESETS, SCHEDULE_FREE_ARMS
 @dataclass
 class ArmResult:
     arm: str
-    evals: list = field(default_factory=list)  # [step, train_seconds, eval_loss]
+    evals: list = field(default_factory=list)  # [step, train_seconds, eval_loss, updates spent]
     steps: int = 0
     train_seconds: float = 0.0
     tokens: int = 0
@@ -80,7 +80,7 @@ def averaged(trainer_cls: type, average: WeightAverage) -> type:
 def run_arm(arm: str, preset: dict, out_dir: Path, seed: int, hybrid_overrides: dict, budget: float,
             target: float | None) -> ArmResult:
     import torch
-    from timing import TrainingClock, add_optimizer_clock, time_hybrid_hooks, timed_trainer
+    from timing import TrainingClock, add_optimizer_clock, spent_updates, time_hybrid_hooks, timed_trainer
     from transformers import Trainer, TrainerCallback, TrainingArguments
     from transformers.trainer_callback import PrinterCallback
 
@@ -108,20 +108,6 @@ def run_arm(arm: str, preset: dict, out_dir: Path, seed: int, hybrid_overrides: 
     )
     result = ArmResult(arm=arm)
 
-    class RealStepEval(TrainerCallback):
-        """Evaluates the hybrid after every `eval_steps` applied updates rather than optimizer steps, so both arms are
-        looked at after the same number of gradient updates. Once predicted steps shift the step count, evaluating
-        on global steps would compare different iterates, and iterates a few steps apart differ in held-out loss
-        by more than a jump gains."""
-
-        updates = 0
-
-        def on_step_end(self, args, state, control, **kwargs):
-            record = trainer._hybrid.last_record if trainer._hybrid is not None else None  # None: --set hybrid=false
-            if record is None or (record.phase.has_backward and not (record.rollback or record.skipped)):
-                self.updates += 1
-                control.should_evaluate = self.updates % preset["eval_steps"] == 0
-
     optimizer_cls_and_kwargs = None
     if arm == "prodigy":
         # Its README's settings: lr 1.0 under the preset's schedule, with safeguard_warmup since the schedule warms up,
@@ -137,7 +123,9 @@ def run_arm(arm: str, preset: dict, out_dir: Path, seed: int, hybrid_overrides: 
     if hybrid:
         time_hybrid_hooks(result, cuda)
         trainer_cls = timed_trainer(HybridHFTrainer, "TimedHybrid", result, cuda)
-        args = HybridTrainingArguments(**{**common, "eval_strategy": "no"}, **{**preset["hybrid"], **hybrid_overrides})
+        # Its evaluations come on the library's counted steps: after as many of the Trainer's updates as the
+        # baseline's, and so at the same place in the dropout RNG (hf_hybrid/step_veto.py).
+        args = HybridTrainingArguments(**common, **{**preset["hybrid"], **hybrid_overrides})
     else:
         trainer_cls = timed_trainer(Trainer, "TimedTrainer", result, cuda)
         args = TrainingArguments(**common)
@@ -149,8 +137,6 @@ def run_arm(arm: str, preset: dict, out_dir: Path, seed: int, hybrid_overrides: 
                           optimizer_cls_and_kwargs=optimizer_cls_and_kwargs)
     trainer.remove_callback(PrinterCallback)  # one progress line per evaluation instead of the log dicts
     # Added after construction so they run after the hybrid's own hooks: its per-step work is timed too.
-    if hybrid:
-        trainer.add_callback(RealStepEval())
     if average is not None:
 
         class AverageUpdate(TrainerCallback):
@@ -171,7 +157,7 @@ def run_arm(arm: str, preset: dict, out_dir: Path, seed: int, hybrid_overrides: 
     result.tokens = result.steps * preset["batch_size"] * preset["grad_accum"] * preset["block_size"]
     if not result.evals or result.evals[-1][0] != result.steps:
         metrics = trainer.evaluate()
-        result.evals.append([result.steps, result.train_seconds, metrics["eval_loss"]])
+        result.evals.append([result.steps, result.train_seconds, metrics["eval_loss"], spent_updates(trainer)])
     if cuda:
         result.peak_memory_mb = torch.cuda.max_memory_allocated() / 2**20
     else:

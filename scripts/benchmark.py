@@ -27,7 +27,7 @@ from pathlib import Path
 from arms import ArmResult, arm_main
 from arms import WeightAverage as WeightAverage  # re-exported: tests/test_weight_average.py imports it from here
 from presets import PEER_ARMS, PRESETS, TUNED_HOST_ALLOCATOR
-from report import add_swept_target, plot, print_table, summarize
+from report import add_swept_target, plot, print_table, speedups, summarize
 
 
 def launch(arm: str, args, out_dir: Path, target: float | None, overrides: dict,
@@ -132,8 +132,8 @@ def main() -> None:
               "hybrid": [summarize(h, t) for h, t in zip(hybrids, targets)]}
     for name, results in peers.items():
         report[name] = [summarize(a, t) for a, t in zip(results, targets)]
-        report[f"{name}_speedups"] = [b["time_to_target"] / a["time_to_target"] if a["time_to_target"] else None
-                                      for b, a in zip(report["baseline"], report[name])]
+        report[f"{name}_speedups"] = speedups(report, name)
+        report[f"{name}_update_speedups"] = speedups(report, name, "updates_to_target")
         report[f"{name}_learning_rate"] = peer_lrs[name]
     if "swept" in peers:
         add_swept_target(report, [s.evals[-1][2] for s in peers["swept"]], ["baseline", "hybrid", *peers])
@@ -146,12 +146,10 @@ def main() -> None:
         report["step_time_ratio_median"] = statistics.median(ratios)
         report["step_time_ratios"] = ratios
     else:
-        speedups = []
-        for b, h in zip(report["baseline"], report["hybrid"]):
-            speedups.append(b["time_to_target"] / h["time_to_target"] if h["time_to_target"] else None)
-        report["speedups"] = speedups
-        reached = [s for s in speedups if s is not None]
-        report["speedup_median"] = statistics.median(reached) if len(reached) == len(speedups) else None
+        report["speedups"] = speedups(report, "hybrid")
+        report["update_speedups"] = speedups(report, "hybrid", "updates_to_target")
+        reached = [s for s in report["speedups"] if s is not None]
+        report["speedup_median"] = statistics.median(reached) if len(reached) == len(report["speedups"]) else None
     (root / "report.json").write_text(json.dumps(report, indent=2))
     print_table(report)
     plot(root, baselines[0], hybrids[0], target)

@@ -14,11 +14,16 @@ from presets import PEER_ARMS
 H100_BF16_FLOPS = 989e12
 
 
-def time_to(evals: list, target: float) -> float | None:
-    """Training time at which eval loss first reaches `target`, interpolated linearly between the two evals that
-    bracket the crossing (evals are many steps apart; taking the later one would round every arm up)."""
+SECONDS, UPDATES = 1, 3  # columns of an eval: [step, train_seconds, eval_loss, updates spent]
+
+
+def time_to(evals: list, target: float, column: int = SECONDS) -> float | None:
+    """Training time (or with `column=UPDATES`, gradient updates spent) at which eval loss first reaches `target`,
+    interpolated linearly between the two evals that bracket the crossing (evals are many steps apart; taking the
+    later one would round every arm up)."""
     previous = None
-    for _, t, loss in evals:
+    for entry in evals:
+        t, loss = entry[column], entry[2]
         if loss <= target:
             if previous is None or previous[1] <= loss:
                 return t
@@ -26,6 +31,11 @@ def time_to(evals: list, target: float) -> float | None:
             return t0 + (t - t0) * (loss0 - target) / (loss0 - loss)
         previous = (t, loss)
     return None
+
+
+def speedups(report: dict, arm: str, key: str = "time_to_target") -> list:
+    """The baseline's time (or updates) to the target over the arm's, per pair; None where the arm never got there."""
+    return [b[key] / a[key] if a[key] else None for b, a in zip(report["baseline"], report[arm])]
 
 
 def summarize(arm: ArmResult, target: float | None) -> dict:
@@ -47,6 +57,7 @@ def summarize(arm: ArmResult, target: float | None) -> dict:
         "final_eval_loss": arm.evals[-1][2],
         "final_perplexity": math.exp(arm.evals[-1][2]),
         "time_to_target": time_to(arm.evals, target) if target is not None else None,
+        "updates_to_target": time_to(arm.evals, target, UPDATES) if target is not None else None,
         "tokens_per_second": tokens_per_step * (arm.steps - undone) / arm.train_seconds,
         "median_real_step_seconds": statistics.median(real) if real else None,
         "seconds_per_phase": per_phase,
@@ -80,10 +91,10 @@ def print_peers(report: dict) -> None:
     for arm in ("hybrid", *PEER_ARMS):
         if arm not in report:
             continue
-        speedups = report["speedups"] if arm == "hybrid" else report[f"{arm}_speedups"]
         label = "HybridHFTrainer" if arm == "hybrid" else PEER_ARMS[arm]
         line = (f"  {label:32} final {statistics.median(r['final_eval_loss'] for r in report[arm]):.4f}  "
-                f"vs same-LR Trainer: {_speedups(speedups)}")
+                f"vs same-LR Trainer: {_speedups(speedups(report, arm))} "
+                f"({_speedups(speedups(report, arm, 'updates_to_target'))} in updates)")
         if arm in swept:
             line += f"  | vs swept Trainer's loss: {_speedups(swept[arm])}"
         print(line)
@@ -145,9 +156,9 @@ def print_table(report: dict) -> None:
         print(f"hybrid/baseline median real-step time: {report['step_time_ratio_median']:.3f} "
               f"(pairs: {', '.join(f'{r:.3f}' for r in report['step_time_ratios'])})")
     else:
-        speedups = ", ".join("not reached" if s is None else f"{s:.2f}x" for s in report["speedups"])
         median = report["speedup_median"]
-        print(f"time-to-target speedup: {'-' if median is None else f'{median:.2f}x'} (pairs: {speedups})")
+        print(f"time-to-target speedup: {'-' if median is None else f'{median:.2f}x'} (pairs: "
+              f"{_speedups(report['speedups'])}); in updates: {_speedups(report['update_speedups'])}")
     if any(arm in report for arm in PEER_ARMS):
         print_peers(report)
 
@@ -192,7 +203,7 @@ def plot(root: Path, baseline: ArmResult, hybrid: ArmResult, target: float) -> N
     if trace:
         shade_phases(ax, trace, x="time")
     for arm, style in ((baseline, "k-o"), (hybrid, "C3-s")):
-        ax.plot([t for _, t, _ in arm.evals], [loss for _, _, loss in arm.evals], style, ms=3,
+        ax.plot([e[SECONDS] for e in arm.evals], [e[2] for e in arm.evals], style, ms=3,
                 label="Trainer" if arm.arm == "baseline" else "HybridHFTrainer")
     ax.axhline(target, color="grey", ls="--", lw=1, label="target (baseline final)")
     ax.set_xlabel("training wall clock (s, evaluation excluded)")

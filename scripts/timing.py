@@ -19,6 +19,13 @@ def tick(cuda: bool) -> float:
     return time.perf_counter()
 
 
+def spent_updates(trainer) -> int:
+    """Gradient updates spent so far: the optimizer steps that ran a backward, those an undo threw away included (a
+    predicted step runs none)."""
+    engine = getattr(trainer, "_hybrid", None)
+    return trainer.hybrid_stats()["backward_steps"] if engine is not None else trainer.state.global_step
+
+
 class TrainingClock(TrainerCallback):
     """Training time, stopped during evaluation, per optimizer step and in all; records each evaluation on that
     clock, notes when eval loss first reaches `target`, and with `stop_at_target` ends the run there."""
@@ -53,7 +60,7 @@ class TrainingClock(TrainerCallback):
         # Evaluation is not training: stop the clock for it (it ran since the last step ended).
         result = self.result
         loss = metrics["eval_loss"]
-        result.evals.append([state.global_step, self.train_seconds, loss])
+        result.evals.append([state.global_step, self.train_seconds, loss, spent_updates(self.trainer)])
         now = time.perf_counter()
         self.paused += now - self.last_end
         self.last_end = now

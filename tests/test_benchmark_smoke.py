@@ -27,8 +27,12 @@ def test_benchmark_smoke_writes_report_and_plot(tmp_path):
     stats = hybrid["hybrid_stats"]
     assert stats["predict_steps"] > 0 and set(stats["phase_steps"]) == {"warmup", "full", "predict", "correct"}
     assert set(baseline["timing"]) == {"forward", "backward", "optimizer"}
-    assert len(report["speedups"]) == 1
+    assert len(report["speedups"]) == len(report["update_speedups"]) == 1
     assert "time-to-target speedup" in done.stdout and "backward reduction" in done.stdout
+    # Updates spent, beside each eval: the Trainer's steps, and the hybrid's steps that ran a backward.
+    assert [e[3] for e in baseline["evals"]] == [e[0] for e in baseline["evals"]]
+    assert hybrid["evals"][-1][3] == stats["backward_steps"] < hybrid["evals"][-1][0]
+    assert "in updates" in done.stdout
     assert (root / "eval_loss_vs_wallclock.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # The averaging arm trains exactly as the baseline does, and is evaluated on its weights' average.
     ema = report["ema"][0]
