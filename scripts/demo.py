@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 import faults  # noqa: E402
 from model_and_data import build_model_and_data  # noqa: E402
 from presets import DEMO_RECORDED_REGIME, DEMO_SWEPT_REPORT, PRESETS, TUNED_HOST_ALLOCATOR  # noqa: E402
-from report import time_to  # noqa: E402
+from report import UPDATES, time_to  # noqa: E402
+from timing import spent_updates  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -54,8 +55,8 @@ def speed_arm(arm: str, preset: dict, learning_rate: float, seed: int, out_dir: 
     common = dict(
         output_dir=str(out_dir), max_steps=preset["max_steps"], per_device_train_batch_size=preset["batch_size"],
         per_device_eval_batch_size=16, learning_rate=learning_rate, lr_scheduler_type="linear",
-        warmup_steps=preset["warmup_steps"], weight_decay=preset["weight_decay"], eval_strategy="no",
-        logging_steps=10**6, save_strategy="no", report_to="none", seed=seed,
+        warmup_steps=preset["warmup_steps"], weight_decay=preset["weight_decay"], eval_strategy="steps",
+        eval_steps=preset["eval_steps"], logging_steps=10**6, save_strategy="no", report_to="none", seed=seed,
         data_seed=seed, disable_tqdm=True, use_cpu=True,
     )
     if arm == "hybrid":
@@ -66,34 +67,28 @@ def speed_arm(arm: str, preset: dict, learning_rate: float, seed: int, out_dir: 
     evals: list[list[float]] = []
 
     class Clock(TrainerCallback):
-        """Training time only: the clock stops while the Trainer evaluates. Both arms are evaluated after the same
-        number of updates in effect (a jump or a rolled-back step is not one): an evaluation draws from the RNG that
-        dropout uses, so evaluating at other points would make the arms' training differ."""
+        """Training time only: the clock stops while the Trainer evaluates. The hybrid evaluates on its counted
+        steps, after as many of the Trainer's updates as the baseline (hf_hybrid/step_veto.py); each evaluation
+        also records the gradient updates spent so far."""
 
         def __init__(self) -> None:
-            self.seconds, self.started, self.updates = 0.0, None, 0
+            self.seconds, self.started = 0.0, None
 
         def on_step_begin(self, args, state, control, **kwargs):
             self.started = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
             self.seconds += time.perf_counter() - self.started
-            record = trainer._hybrid.last_record if getattr(trainer, "_hybrid", None) is not None else None
-            if record is None or (record.phase.has_backward and not (record.rollback or record.skipped)):
-                self.updates += 1
-                control.should_evaluate = self.updates % preset["eval_steps"] == 0
             if state.global_step % 10 == 0:
                 progress(f"{arm}: step {state.global_step}/{state.max_steps}")
 
         def on_evaluate(self, args, state, control, metrics=None, **kwargs):
-            evals.append([state.global_step, self.seconds, metrics["eval_loss"]])
+            evals.append([state.global_step, self.seconds, metrics["eval_loss"], spent_updates(trainer)])
 
     trainer = trainer_cls(model=model, args=args, train_dataset=data["train"], eval_dataset=eval_set)
     trainer.remove_callback(PrinterCallback)
     trainer.add_callback(Clock())
-    trainer.train()
-    if not evals or evals[-1][0] != trainer.state.global_step:  # kept jumps end the run between two evaluations
-        trainer.evaluate()
+    trainer.train()  # the Trainer evaluates at the last step too
     stats = trainer.hybrid_stats() if arm == "hybrid" else None
     return {"arm": arm, "learning_rate": learning_rate, "evals": evals, "final_eval_loss": evals[-1][2],
             "hybrid_stats": stats}
@@ -119,9 +114,12 @@ def run_speed(preset: dict, seed: int, out: Path, progress) -> dict:
     arms = {arm: speed_arm(arm, preset, lr, seed, out / arm, progress) for arm in ("baseline", "hybrid")}
     target = arms["baseline"]["final_eval_loss"]
     times = {arm: time_to(r["evals"], target) for arm, r in arms.items()}
+    updates = {arm: time_to(r["evals"], target, UPDATES) for arm, r in arms.items()}
     speedup = times["baseline"] / times["hybrid"] if times["hybrid"] else None
+    update_speedup = updates["baseline"] / updates["hybrid"] if updates["hybrid"] else None
     report = {"seed": seed, "learning_rate": lr, "swept_learning_rate": preset["learning_rate"], "target": target,
-              "time_to_target": times, "speedup": speedup, "arms": arms}
+              "time_to_target": times, "speedup": speedup, "updates_to_target": updates,
+              "update_speedup": update_speedup, "arms": arms}
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(report, indent=2))
     return report
@@ -129,6 +127,17 @@ def run_speed(preset: dict, seed: int, out: Path, progress) -> dict:
 
 def _loss(value: float) -> str:
     return "NaN" if math.isnan(value) else f"{value:.3f}"
+
+
+def _speedup(report: dict) -> str:
+    """Wall clock to the Trainer's final loss, and updates beside it (absent from reports recorded before them)."""
+    if report["speedup"] is None:
+        return "not reached"
+    if report.get("update_speedup") is None:
+        return f"{report['speedup']:.2f}x"
+    updates = report["updates_to_target"]
+    return (f"{report['speedup']:.2f}x ({report['update_speedup']:.2f}x in updates: {updates['hybrid']:.0f} against "
+            f"{updates['baseline']:.0f})")
 
 
 def _damage(value: float) -> str:
@@ -141,7 +150,7 @@ def summary(faults_report: dict, speed: dict, swept: dict | None, out: Path, sec
     guard = arms["hybrid-faults"]["hybrid_stats"]
     stats = speed["arms"]["hybrid"]["hybrid_stats"]
     times = speed["time_to_target"]
-    result = "not reached" if speed["speedup"] is None else f"{speed['speedup']:.2f}x"
+    result = _speedup(speed)
     lines = [
         f"hf_hybrid demo, {seconds / 60:.1f} min on this machine",
         "",
@@ -185,7 +194,7 @@ def plot_speed(out: Path, speed: dict) -> None:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for arm, style, label in (("baseline", "k-o", "Trainer"), ("hybrid", "C3-s", "HybridHFTrainer (outer momentum)")):
         evals = speed["arms"][arm]["evals"]
-        ax.plot([t for _, t, _ in evals], [loss for _, _, loss in evals], style, ms=3, label=label)
+        ax.plot([e[1] for e in evals], [e[2] for e in evals], style, ms=3, label=label)
     ax.axhline(speed["target"], color="grey", ls="--", lw=1, label="target: the Trainer's final eval loss")
     ax.set_xlabel("training wall clock (s, evaluation excluded)")
     ax.set_ylabel("eval loss")
@@ -203,8 +212,7 @@ def recorded_swept_result(preset_name: str) -> dict | None:
         return None
     report = json.loads(path.read_text())
     stats = report["arms"]["hybrid"]["hybrid_stats"]
-    result = "not reached" if report["speedup"] is None else f"{report['speedup']:.2f}x"
-    return {"path": DEMO_SWEPT_REPORT, "result": f"{result}; {stats['predictions_kept']} of "
+    return {"path": DEMO_SWEPT_REPORT, "result": f"{_speedup(report)}; {stats['predictions_kept']} of "
             f"{stats['predictions_judged']} jumps kept, retired: {stats['retired']}"}
 
 
@@ -238,7 +246,8 @@ def main() -> None:
     speed = run_speed(preset, args.seed, out / "speed", progress)
     plot_speed(out / "speed", speed)
     if faults_report is None:
-        print(json.dumps({k: speed[k] for k in ("learning_rate", "target", "time_to_target", "speedup")}))
+        keys = ("learning_rate", "target", "time_to_target", "speedup", "updates_to_target", "update_speedup")
+        print(json.dumps({k: speed[k] for k in keys}))
         return
     screen = summary(faults_report, speed, recorded_swept_result(args.preset), out, time.perf_counter() - started)
     (out / "summary.txt").write_text(screen + "\n")

@@ -25,6 +25,9 @@ def test_demo_ends_on_one_summary_screen(tmp_path):
     assert set(faults["arms"]) == {"trainer-clean", "trainer-faults", "hybrid-faults"}
     assert speed["learning_rate"] == 0.2 * speed["swept_learning_rate"]
     assert f"{speed['target']:.3f}" in screen
+    # Updates beside wall clock: the Trainer's are its steps; the hybrid's evaluations came on its counted steps.
+    assert speed["updates_to_target"]["baseline"] <= speed["arms"]["baseline"]["evals"][-1][0]
+    assert f"{speed['update_speedup']:.2f}x in updates" in screen
     for path in ("faults/report.json", "speed/report.json", "faults/eval_loss_vs_step.png",
                  "speed/eval_loss_vs_wallclock.png"):
         assert str(tmp_path / path) in screen and (tmp_path / path).stat().st_size > 0
