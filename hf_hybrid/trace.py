@@ -32,7 +32,7 @@ class StepTrace:
     def elapsed(self) -> float:
         return time.perf_counter() - self.t0
 
-    def write_step(self, step: int, record, engine, guard_action: str | None, probe_line: float | None,
+    def write_step(self, step: int, record, engine, guard_action: str | None, probe_line: tuple | None,
                    lr: float) -> None:
         """The row of the optimizer step that just ended (`record`: the engine's record of it)."""
         row = {"step": step, "phase": record.phase.value, "loss": record.loss, "time": self.elapsed(),
