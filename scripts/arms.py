@@ -27,6 +27,7 @@ class ArmResult:
     phases: list = field(default_factory=list)  # per optimizer step
     timing: dict = field(default_factory=dict)  # forward/backward/optimizer seconds
     peak_memory_mb: float = 0.0
+    peak_pinned_mb: float | None = None  # pinned host memory held by PyTorch's pinned allocator (CUDA)
     memory_curve: list = field(default_factory=list)  # [step, peak allocated MB so far, reserved MB] (CUDA)
     n_params: int = 0
     cuda: bool = False
@@ -78,7 +79,7 @@ def averaged(trainer_cls: type, average: WeightAverage) -> type:
 
 
 def run_arm(arm: str, preset: dict, out_dir: Path, seed: int, hybrid_overrides: dict, budget: float,
-            target: float | None) -> ArmResult:
+            target: float | None, hook_clock_on_gpu: bool) -> ArmResult:
     import torch
     from timing import TrainingClock, add_optimizer_clock, spent_updates, time_hybrid_hooks, timed_trainer
     from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -120,7 +121,7 @@ def run_arm(arm: str, preset: dict, out_dir: Path, seed: int, hybrid_overrides: 
     if arm in SCHEDULE_FREE_ARMS:
         # The optimizer warms up by itself (the Trainer passes warmup_steps on) and needs no decay: that is its point.
         common.update(optim="schedule_free_adamw", lr_scheduler_type="constant", lr_scheduler_kwargs={})
-    if hybrid:
+    if hybrid and (hook_clock_on_gpu or not cuda):
         time_hybrid_hooks(result, cuda)
         trainer_cls = timed_trainer(HybridHFTrainer, "TimedHybrid", result, cuda)
         # Its evaluations come on the library's counted steps: after as many of the Trainer's updates as the
@@ -160,6 +161,8 @@ def run_arm(arm: str, preset: dict, out_dir: Path, seed: int, hybrid_overrides: 
         result.evals.append([result.steps, result.train_seconds, metrics["eval_loss"], spent_updates(trainer)])
     if cuda:
         result.peak_memory_mb = torch.cuda.max_memory_allocated() / 2**20
+        if hasattr(torch.cuda, "host_memory_stats"):
+            result.peak_pinned_mb = torch.cuda.host_memory_stats().get("allocated_bytes.peak", 0) / 2**20
     else:
         import resource
 
@@ -180,7 +183,8 @@ def arm_main(spec_json: str) -> None:
     if spec["learning_rate"]:
         preset["learning_rate"] = spec["learning_rate"]
     out_dir = Path(spec["out_dir"])
-    result = run_arm(spec["arm"], preset, out_dir, spec["seed"], spec["overrides"], spec["budget"], spec["target"])
+    result = run_arm(spec["arm"], preset, out_dir, spec["seed"], spec["overrides"], spec["budget"], spec["target"],
+                     spec["hook_clock_on_gpu"])
     (out_dir / "arm_result.json").write_text(json.dumps(asdict(result)))
 
 

@@ -63,6 +63,7 @@ def summarize(arm: ArmResult, target: float | None) -> dict:
         "seconds_per_phase": per_phase,
         "timing": arm.timing,
         "peak_memory_mb": arm.peak_memory_mb,
+        "peak_pinned_mb": arm.peak_pinned_mb,
         "hybrid_stats": arm.hybrid_stats,
         "evals": arm.evals,
     }
@@ -123,6 +124,9 @@ def print_table(report: dict) -> None:
     ]
     if report["baseline"][0]["mfu"] is not None:
         rows.append(("MFU (trained tokens)", med("baseline", "mfu"), med("hybrid", "mfu"), ".3f"))
+    if report["baseline"][0].get("peak_pinned_mb") is not None:
+        rows.append(("peak pinned host (MB)", med("baseline", "peak_pinned_mb"), med("hybrid", "peak_pinned_mb"),
+                     ".0f"))
     print(f"\n{report['preset']} ({report['mode']}), {report['repeats']} alternating pairs; "
           f"target eval loss per pair {', '.join(f'{t:.4f}' for t in report['targets'])}")
     print(f"{'':32}{'Trainer':>14}{'HybridHFTrainer':>18}")

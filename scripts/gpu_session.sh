@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The GPU checks of one lent-machine session, in one call, most important first; each part has its own time limit so
+# that a slow or failing part leaves the rest their turn. Logs and reports go to $OUT (default /tmp/gpu_out).
+#
+#   bash scripts/gpu_session.sh            # on the GPU machine, from the repository root
+#   PRESET=smoke bash scripts/gpu_session.sh   # a dry run of the same commands on a CPU (the CUDA tests skip)
+#
+# Wheels the machine lacks (datasets and its needs, the transformers version tested here) travel in .whl/.
+set -u
+OUT=${OUT:-/tmp/gpu_out}
+PRESET=${PRESET:-gpt2-124m}
+WORK=/tmp/gpu_work
+PY=${PY:-python3}
+mkdir -p "$OUT" "$WORK"
+if [ -z "${NO_WHEELS:-}" ] && ls .whl/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv 2>/dev/null
+$PY -c "import torch, transformers, accelerate, datasets; print('torch', torch.__version__, '| transformers',
+transformers.__version__, '| accelerate', accelerate.__version__, '| datasets', datasets.__version__, '| cuda',
+torch.cuda.is_available())"
+
+SUMMARY="$OUT/summary.txt"
+: > "$SUMMARY"
+part() {  # part NAME SECONDS COMMAND...: runs COMMAND with a limit, its log in $OUT/NAME.log
+  local name=$1 limit=$2 start rc
+  shift 2
+  start=$(date +%s)
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  rc=$?
+  echo "== $name: rc $rc, $(( $(date +%s) - start )) s (limit $limit)" | tee -a "$SUMMARY"
+  tail -n "${TAIL:-25}" "$OUT/$name.log"
+}
+
+part tests "${T_TESTS:-170}" $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_memory.py \
+  tests/test_fsdp2.py
+part ab "${T_AB:-170}" $PY scripts/benchmark.py --preset "$PRESET" --repeats 1 --seed 0 --output_dir "$WORK/ab"
+cp "$WORK/ab/$PRESET-speed/report.json" "$OUT/ab_report.json" 2>/dev/null
+part overhead "${T_OVERHEAD:-75}" $PY scripts/benchmark.py --preset "$PRESET" --mode overhead --repeats 1 \
+  --max_steps "${OVERHEAD_STEPS:-200}" --output_dir "$WORK/overhead"
+cp "$WORK/overhead/$PRESET-overhead/report.json" "$OUT/overhead_report.json" 2>/dev/null
+part faults "${T_FAULTS:-140}" $PY scripts/benchmark.py --preset "$PRESET" --mode faults \
+  --max_steps "${FAULT_STEPS:-300}" --output_dir "$WORK/faults"
+cp "$WORK/faults/$PRESET-faults/report.json" "$OUT/faults_report.json" 2>/dev/null
+echo; cat "$SUMMARY"
