@@ -21,6 +21,16 @@ def host_like(tensors: list[Tensor]) -> list[Tensor]:
     return [next(pinned) if t.is_cuda else torch.empty_like(t) for t in tensors]
 
 
+def release_cached_pinned_memory() -> None:
+    """Give the pinned blocks PyTorch keeps cached for reuse back to the system. `torch.accelerator.empty_host_cache`
+    is recent (not in PyTorch 2.11); before it the CUDA allocator's own call does this, and without either the blocks
+    stay cached, which costs memory, not correctness."""
+    accelerator = getattr(torch, "accelerator", None)  # from PyTorch 2.6 on
+    release = getattr(accelerator, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
+    if release is not None:
+        release()
+
+
 # Each view starts on this many bytes, a multiple of every dtype's size (and of a cache line).
 _ALIGN = 64
 

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .host_buffers import HostCopies, host_like
+from .host_buffers import HostCopies, host_like, release_cached_pinned_memory
 from .predictors.base import load_tensors, local_shard
 
 
@@ -134,7 +134,7 @@ class TrainingSnapshot:
             if pinned:
                 # PyTorch keeps freed pinned memory reserved for reuse. The copy is taken again only in a long cycle or
                 # a trial, so it goes back to the system, at one device synchronization, rather than staying pinned.
-                torch.accelerator.empty_host_cache()
+                release_cached_pinned_memory()
         else:
             self.weights.capture([local_shard(p) for p in params])
         self._on_held_weights = on_held_weights

@@ -121,8 +121,9 @@ def run_arm(arm: str, preset: dict, out_dir: Path, seed: int, hybrid_overrides: 
     if arm in SCHEDULE_FREE_ARMS:
         # The optimizer warms up by itself (the Trainer passes warmup_steps on) and needs no decay: that is its point.
         common.update(optim="schedule_free_adamw", lr_scheduler_type="constant", lr_scheduler_kwargs={})
-    if hybrid and (hook_clock_on_gpu or not cuda):
-        time_hybrid_hooks(result, cuda)
+    if hybrid:
+        if hook_clock_on_gpu or not cuda:
+            time_hybrid_hooks(result, cuda)
         trainer_cls = timed_trainer(HybridHFTrainer, "TimedHybrid", result, cuda)
         # Its evaluations come on the library's counted steps: after as many of the Trainer's updates as the
         # baseline's, and so at the same place in the dropout RNG (hf_hybrid/step_veto.py).

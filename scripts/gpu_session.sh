@@ -37,8 +37,8 @@ part() {  # part NAME SECONDS COMMAND...: runs COMMAND with a limit, its log in 
   tail -n "${TAIL:-25}" "$OUT/$name.log"
 }
 
-part tests "${T_TESTS:-170}" $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_memory.py \
-  tests/test_fsdp2.py
+part tests "${T_TESTS:-170}" $PY -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_cuda.py tests/test_memory.py \
+  tests/test_fsdp2.py}
 part ab "${T_AB:-170}" $PY scripts/benchmark.py --preset "$PRESET" --repeats 1 --seed 0 --output_dir "$WORK/ab"
 cp "$WORK/ab/$PRESET-speed/report.json" "$OUT/ab_report.json" 2>/dev/null
 part overhead "${T_OVERHEAD:-75}" $PY scripts/benchmark.py --preset "$PRESET" --mode overhead --repeats 1 \
