@@ -85,6 +85,9 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
         # Optimizer steps that do not count toward max_steps (undone by a rollback, or skipped); the trainer adds
         # them to max_steps, again on resume.
         self.made_up_steps = 0
+        # The counted step of the last evaluation `--eval_steps` asked for (CountedStepSchedule, step_veto.py), carried
+        # in checkpoints: a resumed run must not take an evaluation an open jump deferred for done.
+        self.evaluated_count: int | None = None
         if not settings.hybrid_predict:  # the guard alone: retired from the start, no predictor buffers
             self.controller.retired = True
             self.controller.phase = Phase.FULL
@@ -250,6 +253,7 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
             "schedule_at_jump": self.schedule_at_jump,
             "undone_steps": self.undone_steps,
             "made_up_steps": self.made_up_steps,
+            "evaluated_count": self.evaluated_count,
             "measured_last": self._measured_last,
             "confidence": self.confidence,
             "band": self.band,
@@ -276,6 +280,7 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
         self.schedule_at_jump = state.get("schedule_at_jump")
         self.undone_steps = state.get("undone_steps", 0)
         self.made_up_steps = state.get("made_up_steps", self.undone_steps)
+        self.evaluated_count = state.get("evaluated_count")
         self._measured_last = state["measured_last"]
         self.confidence = state["confidence"]
         self.band = tuple(state["band"])

@@ -123,7 +123,6 @@ class CountedStepSchedule(TrainerCallback):
 
     def __init__(self, engine_of) -> None:
         self.engine_of = engine_of  # the trainer's engine at call time (None with the hybrid off or between runs)
-        self.evaluated: int | None = None  # the multiple of eval_steps the last scheduled evaluation stood for
 
     def on_step_end(self, args, state, control, **kwargs):
         engine = self.engine_of()
@@ -140,14 +139,15 @@ class CountedStepSchedule(TrainerCallback):
                 control.should_save = True
         every = state.eval_steps
         if args.eval_strategy == IntervalStrategy.STEPS and every:
-            if self.evaluated is None or counted < self.evaluated:  # a (resumed) run's start, or an undo
-                self.evaluated = counted // every * every
+            # The multiple of eval_steps the last scheduled evaluation stood for, in the engine's checkpointed state.
+            if engine.evaluated_count is None or counted < engine.evaluated_count:  # a run's start, or an undo
+                engine.evaluated_count = counted // every * every
             if state.global_step % every == 0:  # DefaultFlowCallback's own reason to evaluate
                 control.should_evaluate = False
-            due = counted >= self.evaluated + every and counted >= args.eval_delay
+            due = counted >= engine.evaluated_count + every and counted >= args.eval_delay
             if due and not engine.snapshot.valid:  # not inside a jump still waiting for its verdict
                 control.should_evaluate = True
-                self.evaluated = counted // every * every
+                engine.evaluated_count = counted // every * every
 
     @staticmethod
     def install(trainer) -> None:

@@ -96,6 +96,33 @@ def test_a_run_with_dropout_resumed_near_an_epoch_start_draws_the_same_masks(tmp
         assert_bit_identical(state(full_run.model), state(resumed_model))
 
 
+def test_a_run_resumed_while_an_evaluation_waits_for_a_jump_evaluates_where_the_uninterrupted_one_does(
+        tmp_path, monkeypatch):
+    """Evaluations due inside a chain of kept jumps wait for the chain's end (step_veto.py). A checkpoint saved while
+    one waits must carry that it is owed: a resumed run that took the last multiple of eval_steps for done skipped it
+    (the jumps here are `velocity`'s, open through their Correct steps)."""
+    from hf_hybrid.payoff import PayoffMeter
+
+    verdict = PayoffMeter.verdict
+    monkeypatch.setattr(PayoffMeter, "verdict", lambda self, gain: verdict(self, 1e6))  # every jump kept
+    settings = dict(max_steps=30, save_strategy="steps", save_steps=1, hybrid_payoff_check=True,
+                    eval_strategy="steps", eval_steps=5)
+    evaluation = token_dataset(16, seed=1)
+    full_run = make_trainer(tmp_path / "full", eval_dataset=evaluation, **settings)
+    full_run.train()
+    evals = [(h["step"], h["eval_loss"]) for h in full_run.state.log_history if "eval_loss" in h]
+    resume_at = 21
+    waiting = [step for step, _ in evals if step > resume_at]
+    assert waiting and waiting[0] - resume_at < 5, evals  # the evaluation after the resume was owed before it
+
+    resumed = HybridHFTrainer(model=tiny_gpt2(seed=123), args=hybrid_args(tmp_path / "resumed", **settings),
+                              train_dataset=token_dataset(), eval_dataset=evaluation)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / f"checkpoint-{resume_at}"))
+    resumed_evals = [(h["step"], h["eval_loss"]) for h in resumed.state.log_history if "eval_loss" in h]
+    assert [e for e in resumed_evals if e[0] > resume_at] == [e for e in evals if e[0] > resume_at]
+    assert_bit_identical(state(full_run.model), state(resumed.model))
+
+
 def check_resume_mid_predict(tmp_path, **extra) -> tuple[HybridHFTrainer, HybridHFTrainer]:
     settings = dict(max_steps=30, save_strategy="steps", save_steps=1, hybrid_payoff_check=True, **extra)
     full_run = make_trainer(tmp_path / "full", **settings)
