@@ -105,7 +105,7 @@ def run_arm(arm: str, preset: dict, out_dir: Path, seed: int, hybrid_overrides: 
         weight_decay=preset["weight_decay"], optim=preset["optim"],
         bf16=preset["bf16"] and cuda, eval_strategy="steps", eval_steps=preset["eval_steps"], logging_steps=25,
         save_strategy="no", report_to="none", seed=seed, data_seed=seed, disable_tqdm=True,
-        dataloader_num_workers=0, use_cpu=not cuda,
+        dataloader_num_workers=0, use_cpu=not cuda, full_determinism=preset.get("full_determinism", False),
     )
     result = ArmResult(arm=arm)
 
@@ -183,6 +183,7 @@ def arm_main(spec_json: str) -> None:
         preset["eval_steps"] = preset["max_steps"]
     if spec["learning_rate"]:
         preset["learning_rate"] = spec["learning_rate"]
+    preset["full_determinism"] = spec["full_determinism"]
     out_dir = Path(spec["out_dir"])
     result = run_arm(spec["arm"], preset, out_dir, spec["seed"], spec["overrides"], spec["budget"], spec["target"],
                      spec["hook_clock_on_gpu"])

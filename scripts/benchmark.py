@@ -27,7 +27,7 @@ from pathlib import Path
 from arms import ArmResult, arm_main
 from arms import WeightAverage as WeightAverage  # re-exported: tests/test_weight_average.py imports it from here
 from presets import PEER_ARMS, PRESETS, TUNED_HOST_ALLOCATOR
-from report import add_swept_target, plot, print_table, speedups, summarize
+from report import add_swept_target, equal_evals, plot, print_table, speedups, summarize
 
 
 def launch(arm: str, args, out_dir: Path, target: float | None, overrides: dict,
@@ -38,7 +38,8 @@ def launch(arm: str, args, out_dir: Path, target: float | None, overrides: dict,
     # only the overhead mode, whose point is that share, times them there.
     spec = dict(arm=arm, preset=args.preset, seed=args.seed, budget=args.hybrid_budget, target=target,
                 overrides=overrides, out_dir=str(out_dir), max_steps=args.max_steps, eval_at_end=eval_at_end,
-                learning_rate=learning_rate or args.learning_rate, hook_clock_on_gpu=args.mode == "overhead")
+                learning_rate=learning_rate or args.learning_rate, hook_clock_on_gpu=args.mode == "overhead",
+                full_determinism=args.full_determinism)
     out_dir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, __file__, "--_arm", json.dumps(spec)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
@@ -80,6 +81,9 @@ def main() -> None:
                         help="the hybrid may run this many times the baseline's steps to reach the target")
     parser.add_argument("--set", nargs="*", default=[], metavar="FLAG=VALUE",
                         help="hybrid flag overrides, e.g. hybrid_predictor=adam hybrid_monitor_interval=4")
+    parser.add_argument("--full_determinism", action="store_true",
+                        help="every arm with TrainingArguments' full_determinism: on a GPU, where kernels otherwise "
+                             "differ run to run, a hybrid whose jumps were all rolled back can be checked bit for bit")
     parser.add_argument("--output_dir", default="runs/benchmark")
     parser.add_argument("--_arm", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -150,6 +154,7 @@ def main() -> None:
     else:
         report["speedups"] = speedups(report, "hybrid")
         report["update_speedups"] = speedups(report, "hybrid", "updates_to_target")
+        report["equal_evals"] = [equal_evals(b, h) for b, h in zip(report["baseline"], report["hybrid"])]
         reached = [s for s in report["speedups"] if s is not None]
         report["speedup_median"] = statistics.median(reached) if len(reached) == len(report["speedups"]) else None
     (root / "report.json").write_text(json.dumps(report, indent=2))

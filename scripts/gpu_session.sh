@@ -39,6 +39,11 @@ part() {  # part NAME SECONDS COMMAND...: runs COMMAND with a limit, its log in 
 
 part tests "${T_TESTS:-170}" $PY -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_cuda.py tests/test_memory.py \
   tests/test_fsdp2.py}
+# Bit for bit on the GPU: with deterministic kernels, a hybrid whose every jump was rolled back and whose autopilot
+# never raised must evaluate exactly as the Trainer does (the CPU's guarantee; run 124 was 0.025-0.05 above).
+part exact "${T_EXACT:-150}" $PY scripts/benchmark.py --preset "$PRESET" --repeats 1 --seed 0 --full_determinism \
+  --max_steps "${EXACT_STEPS:-200}" --output_dir "$WORK/exact"
+cp "$WORK/exact/$PRESET-speed/report.json" "$OUT/exact_report.json" 2>/dev/null
 part ab "${T_AB:-170}" $PY scripts/benchmark.py --preset "$PRESET" --repeats 1 --seed 0 --output_dir "$WORK/ab"
 cp "$WORK/ab/$PRESET-speed/report.json" "$OUT/ab_report.json" 2>/dev/null
 part overhead "${T_OVERHEAD:-75}" $PY scripts/benchmark.py --preset "$PRESET" --mode overhead --repeats 1 \

@@ -28,7 +28,9 @@ def build_model_and_data(preset: dict, seed: int):
                             eos_token_id=tokenizer.eos_token_id, **preset["model"])
         model = GPT2LMHeadModel(config)
     if torch.cuda.is_available():
-        model.config._attn_implementation = "sdpa"
+        # The fused attention kernels' backward need not be deterministic; the matrix products of eager attention are,
+        # under the cuBLAS settings full_determinism makes.
+        model.config._attn_implementation = "eager" if preset.get("full_determinism") else "sdpa"
     if "lora" in preset:
         from peft import LoraConfig, get_peft_model
 

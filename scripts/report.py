@@ -38,6 +38,13 @@ def speedups(report: dict, arm: str, key: str = "time_to_target") -> list:
     return [b[key] / a[key] if a[key] else None for b, a in zip(report["baseline"], report[arm])]
 
 
+def equal_evals(baseline: dict, arm: dict) -> list[int]:
+    """[evaluations, in order, whose loss equals the baseline's bit for bit; evaluations compared]. Both arms evaluate
+    on counted steps, so the k-th evaluations stand for the same count of the Trainer's updates."""
+    pairs = list(zip(baseline["evals"], arm["evals"]))
+    return [sum(b[2] == a[2] for b, a in pairs), len(pairs)]
+
+
 def summarize(arm: ArmResult, target: float | None) -> dict:
     real = [s for s, p in zip(arm.step_seconds, arm.phases) if p != "predict"]
     per_phase: dict[str, float] = {}
@@ -163,6 +170,9 @@ def print_table(report: dict) -> None:
         median = report["speedup_median"]
         print(f"time-to-target speedup: {'-' if median is None else f'{median:.2f}x'} (pairs: "
               f"{_speedups(report['speedups'])}); in updates: {_speedups(report['update_speedups'])}")
+        # A pair whose evaluations are all equal bit for bit trained the same weights: 1.00x, whatever the clock says.
+        print("evaluations equal to the baseline's bit for bit: "
+              + ", ".join(f"{same} of {compared}" for same, compared in report["equal_evals"]))
     if any(arm in report for arm in PEER_ARMS):
         print_peers(report)
 
