@@ -23,8 +23,8 @@ def host_like(tensors: list[Tensor]) -> list[Tensor]:
 
 def release_cached_pinned_memory() -> None:
     """Give the pinned blocks PyTorch keeps cached for reuse back to the system. `torch.accelerator.empty_host_cache`
-    is recent (not in PyTorch 2.11); before it the CUDA allocator's own call does this, and without either the blocks
-    stay cached, which costs memory, not correctness."""
+    is recent (not in PyTorch 2.11); from 2.5 the CUDA allocator's own private call does this, and before that the
+    blocks stay cached, which costs memory, not correctness."""
     accelerator = getattr(torch, "accelerator", None)  # from PyTorch 2.6 on
     release = getattr(accelerator, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
     if release is not None:
