@@ -153,7 +153,9 @@ def print_table(report: dict) -> None:
     hybrid_timing = report["hybrid"][0]["timing"]
     hook_seconds = hybrid_timing.get("hybrid_hooks_real", 0.0)
     real_seconds = sum(v for k, v in report["hybrid"][0]["seconds_per_phase"].items() if k != "predict")
-    if real_seconds:
+    if "hybrid_hooks_real" not in hybrid_timing:
+        print("hybrid hook time: not measured (on a GPU only --mode overhead times the hooks)")
+    elif real_seconds:
         print(f"hybrid hook time on real steps: {hook_seconds:.2f}s = {100 * hook_seconds / real_seconds:.2f}% "
               "of real-step time")
         guard_seconds = hybrid_timing.get("guard", 0.0)
