@@ -2,7 +2,7 @@
 
     python scripts/benchmark.py --preset cpu-small            # the README's main job
     python scripts/benchmark.py --preset gpt2-124m            # on a GPU
-    python scripts/benchmark.py --preset cpu-small --mode overhead   # hybrid with prediction off
+    python scripts/benchmark.py --preset cpu-small --mode overhead   # the hybrid's per-step cost, hooks timed
     python scripts/benchmark.py --preset gpt2-124m --mode memory --max_steps 2000   # peak memory, forced prediction
     python scripts/benchmark.py --preset cpu-small --mode faults     # the guard against injected faults (faults.py)
     python scripts/benchmark.py --preset cpu-finetune --lr_scale 0.2 --arms hybrid,sf,sf-swept,swept   # unswept LR
@@ -55,10 +55,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu-small")
     parser.add_argument("--mode", choices=["speed", "overhead", "memory", "faults", "sweep"], default="speed",
-                        help="speed: time to the baseline's eval loss; overhead: hybrid with prediction off; memory: "
-                             "the same steps in both arms, the hybrid forced to predict as often as it can (CUDA peak "
-                             "memory curve); faults: clean Trainer, Trainer and hybrid with injected faults; sweep: "
-                             "the Trainer alone at each of --learning_rates (the baseline's tuning)")
+                        help="speed: time to the baseline's eval loss; overhead: the same steps in both arms, the "
+                             "hooks timed, the confidence gate shut (velocity and adam; outer's jumps keep their "
+                             "schedule); memory: the same steps in both arms, the hybrid forced to predict as often "
+                             "as it can (CUDA peak memory curve); faults: clean Trainer, Trainer and hybrid with "
+                             "injected faults; sweep: the Trainer alone at each of --learning_rates (the baseline's "
+                             "tuning)")
     parser.add_argument("--arms", default="baseline,hybrid",
                         help="speed mode: the arms after the baseline: hybrid, and from "
                              + "; ".join(f"{k} ({v})" for k, v in PEER_ARMS.items()))
