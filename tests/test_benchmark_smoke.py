@@ -65,3 +65,14 @@ def test_the_unswept_regime_runs_every_arm_at_a_fifth_and_reports_both_targets(t
     assert report["swept_target_speedups"]["swept"] == [1.0]
     assert sf["steps"] == baseline["steps"] and sf["final_eval_loss"] != baseline["final_eval_loss"]
     assert "schedule-free AdamW" in done.stdout and "vs swept Trainer's loss" in done.stdout
+
+
+def test_a_hybrid_that_never_predicts_is_reported_equal_to_the_trainer_bit_for_bit(tmp_path):
+    """The guard alone on clean data changes no step: the report must say the pair trained the same weights, which
+    is what makes it 1.00x whatever the clock says."""
+    done = run("--repeats", "1", "--set", "hybrid_predict=false", "--output_dir", str(tmp_path))
+    report = json.loads((tmp_path / "smoke-speed" / "report.json").read_text())
+    evaluations = len(report["baseline"][0]["evals"])
+    assert evaluations >= 2 and report["equal_evals"] == [[evaluations, evaluations]]
+    assert report["update_speedups"] == [1.0]
+    assert f"bit for bit: {evaluations} of {evaluations}" in done.stdout
