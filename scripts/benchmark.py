@@ -84,8 +84,10 @@ def main() -> None:
     parser.add_argument("--set", nargs="*", default=[], metavar="FLAG=VALUE",
                         help="hybrid flag overrides, e.g. hybrid_predictor=adam hybrid_monitor_interval=4")
     parser.add_argument("--full_determinism", action="store_true",
-                        help="every arm with TrainingArguments' full_determinism: on a GPU, where kernels otherwise "
-                             "differ run to run, a hybrid whose jumps were all rolled back can be checked bit for bit")
+                        help="every arm with TrainingArguments' full_determinism (and eager attention on a GPU), "
+                             "where kernels otherwise differ run to run: a hybrid whose jumps were all rolled back can "
+                             "then be checked bit for bit, and in the faults mode the faults and the guard are the "
+                             "only difference between the arms")
     parser.add_argument("--output_dir", default="runs/benchmark")
     parser.add_argument("--_arm", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -58,7 +58,7 @@ cp "$WORK/ab/$PRESET-speed/report.json" "$OUT/ab_report.json" 2>/dev/null
 part overhead "${T_OVERHEAD:-75}" $PY scripts/benchmark.py --preset "$PRESET" --mode overhead --repeats 1 \
   --max_steps "${OVERHEAD_STEPS:-200}" --output_dir "$WORK/overhead"
 cp "$WORK/overhead/$PRESET-overhead/report.json" "$OUT/overhead_report.json" 2>/dev/null
-part faults "${T_FAULTS:-140}" $PY scripts/benchmark.py --preset "$PRESET" --mode faults \
+part faults "${T_FAULTS:-180}" $PY scripts/benchmark.py --preset "$PRESET" --mode faults --full_determinism \
   --max_steps "${FAULT_STEPS:-300}" --output_dir "$WORK/faults"
 cp "$WORK/faults/$PRESET-faults/report.json" "$OUT/faults_report.json" 2>/dev/null
 echo; cat "$SUMMARY"
