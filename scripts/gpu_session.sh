@@ -16,6 +16,7 @@ OUT=${OUT:-/tmp/gpu_out}
 PRESET=${PRESET:-gpt2-124m}
 WORK=/tmp/gpu_work
 PY=${PY:-python3}
+rm -rf "$WORK"  # a report left by an earlier call must not stand in for a part that did not run
 mkdir -p "$OUT" "$WORK"
 if [ -z "${NO_WHEELS:-}" ] && ls .whl/*.whl >/dev/null 2>&1; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
