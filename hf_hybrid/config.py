@@ -82,6 +82,10 @@ class HybridTrainingArguments(TrainingArguments):
             the probe loss fell by at least what plain training would have gained for the phase's cost, else roll
             back. Each rejection doubles the next Full phase; each kept jump halves it back. When off, a jump
             that comes through its last step (its Correct steps, if it has any) without a rollback counts as kept.
+        hybrid_probe_noise_margin (`float`, defaults to `2.0`):
+            The payoff check keeps a jump only if its probe gain beats plain training's by this many standard errors
+            of the gain over the probe's sequences (read for the causal LMs of transformers; elsewhere 0). 0 keeps
+            any gain that beats plain training's.
         hybrid_predict_step_cost (`float`, defaults to `0.35`):
             Cost of a forward pass (a checked predicted step, a probe) relative to a real step, for the payoff
             check (a forward is about a third of forward+backward+step). The benchmark measures it; a fixed
@@ -160,6 +164,9 @@ class HybridTrainingArguments(TrainingArguments):
     hybrid_payoff_check: bool = field(
         default=True, metadata={"help": "Keep a jump only if a probe batch shows it beat plain training's gain."}
     )
+    hybrid_probe_noise_margin: float = field(
+        default=2.0, metadata={"help": "Standard errors of the probe gain a kept jump must clear; 0 = none."}
+    )
     hybrid_predict_step_cost: float = field(
         default=0.35, metadata={"help": "Cost of a forward pass / a real step, for the payoff check."}
     )
@@ -223,8 +230,9 @@ def validate_hybrid_settings(settings) -> None:
                  "hybrid_guard_threshold"):
         if not getattr(settings, flag) > 0:
             bad(flag, "must be > 0")
-    if settings.hybrid_vram_min_free_mb < 0:
-        bad("hybrid_vram_min_free_mb", "must be >= 0")
+    for flag in ("hybrid_vram_min_free_mb", "hybrid_probe_noise_margin"):
+        if getattr(settings, flag) < 0:
+            bad(flag, "must be >= 0")
 
 
 def ignored_flags(settings) -> list[str]:

@@ -58,7 +58,8 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
         self.monitor = DivergenceMonitor(
             band_sigmas=settings.hybrid_loss_band, grad_explosion_factor=settings.hybrid_grad_explosion_factor
         )
-        self.payoff = PayoffMeter(forward_cost=settings.hybrid_predict_step_cost, accumulation=accumulation)
+        self.payoff = PayoffMeter(forward_cost=settings.hybrid_predict_step_cost, accumulation=accumulation,
+                                  noise_margin=settings.hybrid_probe_noise_margin)
         self.dynamics = LossDynamicsModel(seed=seed)
         self.snapshot = WeightSnapshot(on_host=settings.hybrid_offload_snapshot)
         self.replay = BatchReplay()
@@ -75,6 +76,7 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
         self.band: tuple[list[float], list[float]] = ([], [])
         self.probe: dict | None = None  # the first batch of the Predict phase, never trained on
         self.probe_loss: float | None = None  # its loss before the phase's first delta
+        self.probe_rows: Tensor | None = None  # and each of its sequences' (forward_checks.sequence_losses)
         self.record: StepRecord | None = None  # the optimizer step under way
         self.last_record: StepRecord | None = None
         self.jump_start_step: int | None = None  # the global step at which the open jump began
@@ -231,6 +233,7 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
             "hybrid/backoff": float(self.controller.backoff), "hybrid/payoff_advantage": float(self.payoff.advantage),
             "hybrid/probe_gain": float(self.payoff.last_gain),
             "hybrid/probe_required": float(self.payoff.last_required),
+            "hybrid/probe_noise": float(self.payoff.last_noise),
         })
         if self.predictor.last_residual is not None:
             metrics["hybrid/prediction_error"] = float(self.predictor.last_residual)
@@ -246,8 +249,7 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
             "snapshot": self.snapshot.state_dict(),
             "replay": self.replay.state_dict(),
             "epoch_seed": self.epoch_seed.state_dict(self.replay.queue),
-            "probe": {k: v.detach().cpu() for k, v in self.probe.items()} if self.probe is not None else None,
-            "probe_loss": self.probe_loss,
+            **self.probe_state(),
             "skipped_steps": self.skipped_steps,
             "jump_start_step": self.jump_start_step,
             "schedule_at_jump": self.schedule_at_jump,
@@ -272,8 +274,7 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
         if "replay" in state:  # absent from checkpoints written before replay existed
             self.replay.load_state_dict(state["replay"], device)
         self.epoch_seed.load_state_dict(state.get("epoch_seed"), self.replay.queue)
-        self.probe = {k: v.to(device) for k, v in state["probe"].items()} if state["probe"] is not None else None
-        self.probe_loss = state["probe_loss"]
+        self.load_probe_state(state, device)
         self.skipped_steps = state["skipped_steps"]
         # Absent from checkpoints written before rolled-back steps were made up.
         self.jump_start_step = state.get("jump_start_step")

@@ -1,4 +1,5 @@
-"""Forward passes the hybrid runs besides training: the Predict step's loss check and the probe's paired loss.
+"""Forward passes the hybrid runs besides training: the Predict step's loss check and the probe's paired loss, whole
+or by sequence.
 
 Both run under a forked RNG, so their dropout masks never shift the real steps' ones: a rolled-back jump must leave no
 trace in the training that follows.
@@ -6,25 +7,66 @@ trace in the training that follows.
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 
 import torch
+import torch.nn.functional as F
 from transformers import Trainer
+from transformers.loss.loss_utils import ForCausalLMLoss
 
 
 def forked_rng(device: torch.device) -> AbstractContextManager:
     return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
 
 
-def probe_loss(trainer: Trainer, model: torch.nn.Module, probe: dict,
-               num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
-    """Loss of the probe batch at the current weights, with the same dropout masks every time (a fixed seed in a
-    forked RNG), so before and after are truly paired. The batch's mean, or, given the Trainer's `num_items_in_batch`
-    for a step whose one micro-batch is the probe, the loss as `Trainer.training_step` computes it."""
+@contextmanager
+def _paired_forward(trainer: Trainer, model: torch.nn.Module) -> Iterator[None]:
+    """The same dropout masks every time (a fixed seed in a forked RNG), so that two forwards of one batch at two
+    sets of weights are truly paired."""
     model.train()
     with forked_rng(trainer.args.device), torch.no_grad(), trainer.compute_loss_context_manager():
         torch.manual_seed(trainer.args.seed)
+        yield
+
+
+def probe_loss(trainer: Trainer, model: torch.nn.Module, probe: dict,
+               num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
+    """Loss of the probe batch at the current weights, paired with every other forward of it. The batch's mean, or,
+    given the Trainer's `num_items_in_batch` for a step whose one micro-batch is the probe, the loss as
+    `Trainer.training_step` computes it."""
+    with _paired_forward(trainer, model):
         return trainer.compute_loss(model, probe, num_items_in_batch=num_items_in_batch).detach()
+
+
+def probe_loss_by_sequence(trainer: Trainer, model: torch.nn.Module, probe: dict,
+                           num_items_in_batch: torch.Tensor | int | None = None,
+                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`probe_loss`, and from the same forward each sequence's mean token loss (None where they cannot be read)."""
+    with _paired_forward(trainer, model):
+        loss, outputs = trainer.compute_loss(model, probe, return_outputs=True, num_items_in_batch=num_items_in_batch)
+    logits = outputs.get("logits") if isinstance(outputs, dict) else None
+    rows = sequence_losses(logits, probe.get("labels")) if _loss_is_causal_lm(trainer, model) else None
+    return loss.detach(), rows
+
+
+def _loss_is_causal_lm(trainer: Trainer, model: torch.nn.Module) -> bool:
+    """Whether the loss is the model's own causal-LM cross-entropy, which `sequence_losses` splits by sequence."""
+    if getattr(trainer, "label_smoother", None) is not None or trainer.compute_loss_func is not None:
+        return False
+    return getattr(trainer.accelerator.unwrap_model(model), "loss_function", None) is ForCausalLMLoss
+
+
+@torch.no_grad()
+def sequence_losses(logits: torch.Tensor | None, labels: torch.Tensor | None) -> torch.Tensor | None:
+    """Each sequence's mean next-token loss, as transformers' `ForCausalLMLoss` counts tokens (labels shifted by one,
+    -100 ignored); None unless `logits` is (batch, length, vocabulary) and `labels` (batch, length)."""
+    if logits is None or labels is None or logits.dim() != 3 or labels.shape != logits.shape[:2]:
+        return None
+    targets = labels[:, 1:].to(logits.device)
+    tokens = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), targets.flatten(), ignore_index=-100,
+                             reduction="none").view_as(targets)
+    return tokens.sum(1) / (targets != -100).sum(1).clamp(min=1)
 
 
 def predict_step_loss(trainer: Trainer, model: torch.nn.Module, inputs: dict,

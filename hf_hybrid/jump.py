@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+import torch
+
 from .controller import Phase, PhaseController
 
 if TYPE_CHECKING:
@@ -37,6 +39,7 @@ class JumpLifecycle:
     record: StepRecord  # the optimizer step under way
     probe: dict | None
     probe_loss: float | None
+    probe_rows: torch.Tensor | None
     band: tuple[list[float], list[float]]
     jump_start_step: int | None
     undone_steps: int
@@ -65,9 +68,9 @@ class JumpLifecycle:
     def apply_prediction(self, lr: float) -> None:
         self.predictor.apply_(lr)
 
-    def set_probe(self, inputs: dict, loss: float) -> None:
-        """Keep the probe batch and its loss at the weights before the phase's first delta."""
-        self.probe, self.probe_loss = inputs, loss
+    def set_probe(self, inputs: dict, loss: float, rows: torch.Tensor | None) -> None:
+        """Keep the probe batch, its loss and its sequences' losses at the weights before the phase's first delta."""
+        self.probe, self.probe_loss, self.probe_rows = inputs, loss, rows
         self.payoff.tick_probe()
 
     def set_cycle_start(self, start_loss: float) -> None:
@@ -79,13 +82,14 @@ class JumpLifecycle:
         if steps:
             self.payoff.use_rate((start_loss - self.probe_loss) / steps)
 
-    def judge_probe(self, loss_after: float, forward_run: bool = True) -> None:
-        """At the end of a Predict phase: keep the jump only if its probe gain beat plain training's.
-        `forward_run`: False when the step's loss check already was the probe's forward, paid for there."""
+    def judge_probe(self, loss_after: float, noise: float, forward_run: bool = True) -> None:
+        """At the end of a Predict phase: keep the jump only if its probe gain beat plain training's by more than its
+        noise (the gain's standard error over the probe's sequences). `forward_run`: False when the step's loss check
+        already was the probe's forward, paid for there."""
         if forward_run:
             self.payoff.tick_probe()
-        paid = self.payoff.verdict(self.probe_loss - loss_after)
-        self.probe = self.probe_loss = None
+        paid = self.payoff.verdict(self.probe_loss - loss_after, noise)
+        self._drop_probe()
         if paid:
             self.controller.reward()
         else:
@@ -121,7 +125,7 @@ class JumpLifecycle:
             self.predictor.jump_undone()
         self.payoff.cancel()
         self.replay.give_back()
-        self.probe = self.probe_loss = None
+        self._drop_probe()
         self.controller.abort()
         self.record.rollback = True
         if self.jump_start_step is not None:
@@ -137,5 +141,20 @@ class JumpLifecycle:
         if self.probe is not None and self.snapshot.valid:
             self.snapshot.restore(self._shards())
             self.snapshot.release()
-            self.probe = self.probe_loss = None
+            self._drop_probe()
+
+    def probe_state(self) -> dict:
+        """The open jump's probe, for a checkpoint taken while it awaits its verdict."""
+        return {"probe": {k: v.detach().cpu() for k, v in self.probe.items()} if self.probe is not None else None,
+                "probe_loss": self.probe_loss,
+                "probe_rows": self.probe_rows.cpu() if self.probe_rows is not None else None}
+
+    def load_probe_state(self, state: dict, device: torch.device) -> None:
+        self.probe = {k: v.to(device) for k, v in state["probe"].items()} if state["probe"] is not None else None
+        self.probe_loss = state["probe_loss"]
+        rows = state.get("probe_rows")  # absent from checkpoints written before the noise margin
+        self.probe_rows = rows.to(device) if rows is not None else None
+
+    def _drop_probe(self) -> None:
+        self.probe = self.probe_loss = self.probe_rows = None
 

@@ -13,7 +13,10 @@ of the cycle. The slope of a noisy loss is often flat or rising in low-LR fine-t
 steps exactly where they paid. The phase's gain is measured on one probe batch (the phase's first batch, which no
 step trains on) at the weights before and after the predicted deltas: a paired difference, free of the batch-to-batch
 noise that swamps a comparison of different batches' losses.
-The prediction pays when that gain is at least what plain training would have made for the phase's cost.
+The prediction pays when that gain is at least what plain training would have made for the phase's cost, by
+`noise_margin` standard errors of the gain: one batch is a sample of sequences, and a gain that a few of them carry
+is noise (measured on cpu-lora at 3x the swept LR: a jump kept on a gain of 0.0035 with a standard error of 0.0029,
+up on 4 of its 8 sequences, left the run 0.0044 above the Trainer; runs 130 and 135 in docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -39,12 +42,14 @@ class PayoffMeter:
     unmonitored_cost: float = 0.02
     window: int = 64
     smoothing: float = 0.3
+    noise_margin: float = 2.0  # standard errors of the gain that a kept jump must clear plain training's by
     clock: float = 0.0
     history: deque = field(default_factory=deque)
     start_clock: float | None = None
     start_rate: float = 0.0
     last_gain: float = 0.0
     last_required: float = 0.0
+    last_noise: float = 0.0
     advantage: float = 0.0
     verdicts: int = 0
     paid: int = 0
@@ -77,12 +82,13 @@ class PayoffMeter:
         a kept jump was worth in steps; the verdict keeps the slope (the rule runs 50-79 measured)."""
         self.probe_rate = max(rate, 0.0)
 
-    def verdict(self, gain: float) -> bool:
-        """`gain`: probe loss before minus after the predicted deltas. True when it beat plain training."""
+    def verdict(self, gain: float, noise: float = 0.0) -> bool:
+        """`gain`: probe loss before minus after the predicted deltas; `noise`: its standard error over the probe's
+        sequences (0 where unknown). True when it beat plain training by `noise_margin` standard errors."""
         required = self.start_rate * (self.clock - (self.start_clock or self.clock))
-        self.last_gain, self.last_required = gain, required
-        finite = math.isfinite(gain)
-        paid = finite and gain >= required
+        self.last_gain, self.last_required, self.last_noise = gain, required, noise
+        finite = math.isfinite(gain) and math.isfinite(noise)
+        paid = finite and gain - self.noise_margin * noise >= required
         self.advantage = (1 - self.smoothing) * self.advantage + self.smoothing * (gain - required if finite else 0.0)
         self.verdicts += 1
         self.paid += int(paid)
@@ -98,12 +104,12 @@ class PayoffMeter:
 
     def state_dict(self) -> dict:
         # Settings come from the flags of the run that resumes, not from the checkpoint.
-        settings = ("forward_cost", "accumulation", "unmonitored_cost", "window", "smoothing")
+        settings = ("forward_cost", "accumulation", "unmonitored_cost", "window", "smoothing", "noise_margin")
         state = {k: getattr(self, k) for k in self.__dataclass_fields__ if k not in settings}
         state["history"] = [list(p) for p in self.history]
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        self.kept_gain = self.kept_worth = 0.0  # absent from checkpoints written before they were counted
+        self.kept_gain = self.kept_worth = self.last_noise = 0.0  # absent from checkpoints written before them
         for key, value in state.items():
             setattr(self, key, deque(tuple(p) for p in value) if key == "history" else value)

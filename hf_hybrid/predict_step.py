@@ -8,10 +8,12 @@ one forward serves both, so such a jump costs two forwards, not three.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from transformers import Trainer
 
-from .forward_checks import predict_step_loss, probe_loss
+from .forward_checks import predict_step_loss, probe_loss, probe_loss_by_sequence
 
 
 def predict_training_step(trainer: Trainer, model: torch.nn.Module, inputs: dict,
@@ -26,12 +28,15 @@ def predict_training_step(trainer: Trainer, model: torch.nn.Module, inputs: dict
     if first_micro_batch:
         if engine.starts_prediction and trainer.hybrid_settings.hybrid_payoff_check:
             probe = trainer._prepare_inputs(inputs)
-            engine.set_probe(probe, trainer._hybrid_reduce(probe_loss(trainer, model, probe, probe_items))[0])
+            loss, rows = probe_loss_by_sequence(trainer, model, probe, probe_items)
+            engine.set_probe(probe, trainer._hybrid_reduce(loss)[0], rows)
             if getattr(engine.predictor, "cycle_steps", None) is not None:
                 engine.set_cycle_start(anchor_loss(trainer, model, engine, probe_items))
         engine.apply_prediction(trainer._hybrid_lr())
+    rows_after = None
     if probe_is_the_step and engine.probe is not None:
-        loss = trainer._hybrid_last_loss = probe_loss(trainer, model, engine.probe, probe_items)
+        loss, rows_after = probe_loss_by_sequence(trainer, model, engine.probe, probe_items)
+        trainer._hybrid_last_loss = loss
     else:
         loss = _micro_batch_loss(trainer, model, inputs, num_items_in_batch, engine.monitored)
     trainer._hybrid_window_loss += loss.detach().float()
@@ -42,11 +47,25 @@ def predict_training_step(trainer: Trainer, model: torch.nn.Module, inputs: dict
         last_step = trainer.state.global_step + 1 >= trainer.state.max_steps
         if (engine.ends_prediction or last_step) and engine.probe is not None:
             if probe_is_the_step:  # the probe's forward after the jump was this step's loss check
-                engine.judge_probe(monitored_loss, forward_run=False)
+                engine.judge_probe(monitored_loss, paired_noise(trainer, engine.probe_rows, rows_after),
+                                   forward_run=False)
             else:
-                engine.judge_probe(trainer._hybrid_reduce(probe_loss(trainer, model, engine.probe))[0])
+                loss_after, rows_after = probe_loss_by_sequence(trainer, model, engine.probe)
+                engine.judge_probe(trainer._hybrid_reduce(loss_after)[0],
+                                   paired_noise(trainer, engine.probe_rows, rows_after))
         trainer._hybrid_steps.veto(predict_step=True)
     return loss
+
+
+def paired_noise(trainer: Trainer, before: torch.Tensor | None, after: torch.Tensor | None) -> float:
+    """The standard error of the probe's gain, from its sequences' paired differences over every rank's probe
+    micro-batch (equal in size on every rank); 0 where the sequences' losses cannot be read."""
+    if before is None or after is None:
+        return 0.0
+    gains = (before - after).float()
+    mean, mean_square = trainer._hybrid_reduce(gains.mean(), gains.square().mean())
+    n = gains.numel() * trainer.accelerator.num_processes
+    return math.sqrt(max(mean_square - mean * mean, 0.0) / (n - 1)) if n > 1 else 0.0
 
 
 @torch.no_grad()

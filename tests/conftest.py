@@ -86,7 +86,7 @@ def reject_every_jump(monkeypatch) -> None:
     from hf_hybrid.payoff import PayoffMeter
 
     original_verdict = PayoffMeter.verdict
-    monkeypatch.setattr(PayoffMeter, "verdict", lambda self, gain: original_verdict(self, float("-inf")))
+    monkeypatch.setattr(PayoffMeter, "verdict", lambda self, gain, noise: original_verdict(self, float("-inf")))
 
 
 def flat_params(model: torch.nn.Module) -> torch.Tensor:

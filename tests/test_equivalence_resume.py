@@ -104,7 +104,7 @@ def test_a_run_resumed_while_an_evaluation_waits_for_a_jump_evaluates_where_the_
     from hf_hybrid.payoff import PayoffMeter
 
     verdict = PayoffMeter.verdict
-    monkeypatch.setattr(PayoffMeter, "verdict", lambda self, gain: verdict(self, 1e6))  # every jump kept
+    monkeypatch.setattr(PayoffMeter, "verdict", lambda self, gain, noise: verdict(self, 1e6))  # every jump kept
     settings = dict(max_steps=30, save_strategy="steps", save_steps=1, hybrid_payoff_check=True,
                     eval_strategy="steps", eval_steps=5)
     evaluation = token_dataset(16, seed=1)

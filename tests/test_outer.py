@@ -68,7 +68,7 @@ def test_the_jump_is_an_outer_nesterov_step_on_the_pseudo_gradient(tmp_out):
 
 def test_a_rejected_jump_leaves_weights_and_momentum_as_they_were(tmp_out, monkeypatch):
     verdicts = iter([True, False, True, False, True, False])
-    monkeypatch.setattr(PayoffMeter, "verdict", lambda self, gain: next(verdicts))
+    monkeypatch.setattr(PayoffMeter, "verdict", lambda self, gain, noise: next(verdicts))
     _, rows = run(tmp_out, hybrid_payoff_check=True, hybrid_max_rejections=0)
     jumps = [i for i, r in enumerate(rows) if r["phase"] is Phase.PREDICT]
     kept, rejected = jumps[0], jumps[1]
