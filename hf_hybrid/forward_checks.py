@@ -60,13 +60,14 @@ def _loss_is_causal_lm(trainer: Trainer, model: torch.nn.Module) -> bool:
 @torch.no_grad()
 def sequence_losses(logits: torch.Tensor | None, labels: torch.Tensor | None) -> torch.Tensor | None:
     """Each sequence's mean next-token loss, as transformers' `ForCausalLMLoss` counts tokens (labels shifted by one,
-    -100 ignored); None unless `logits` is (batch, length, vocabulary) and `labels` (batch, length)."""
+    -100 ignored); None unless `logits` is (batch, length, vocabulary) and `labels` (batch, length). One sequence at
+    a time, so that the float32 copy of the logits is one sequence's, not the batch's."""
     if logits is None or labels is None or logits.dim() != 3 or labels.shape != logits.shape[:2]:
         return None
     targets = labels[:, 1:].to(logits.device)
-    tokens = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), targets.flatten(), ignore_index=-100,
-                             reduction="none").view_as(targets)
-    return tokens.sum(1) / (targets != -100).sum(1).clamp(min=1)
+    sums = torch.stack([F.cross_entropy(logits[i, :-1].float(), targets[i], ignore_index=-100, reduction="sum")
+                        for i in range(len(targets))])
+    return sums / (targets != -100).sum(1).clamp(min=1)
 
 
 def predict_step_loss(trainer: Trainer, model: torch.nn.Module, inputs: dict,
