@@ -6,6 +6,7 @@ the same rank-identical inputs, and a pure machine is easy to test exhaustively 
     WARMUP --warmup_steps--> FULL --(>= full_required steps, ready, confident)--> PREDICT
     PREDICT --planned length--> CORRECT --correct_steps--> PREDICT again while confident, else FULL
     PREDICT/CORRECT --abort (divergence, rollback)--> FULL
+    FULL --(its turn, ready, held: the steps are long enough)--> FULL again, a turn passed
 
 `full_required` starts at `full_steps` and doubles (up to `max_backoff` doublings) each time a
 prediction is rolled back (including a jump that failed its payoff check), and halves back each time a
@@ -93,6 +94,7 @@ class PhaseController:
     check_misses: int = 0
     phase_steps: dict[str, int] = field(default_factory=lambda: {p.value: 0 for p in Phase})
     rollbacks: int = 0
+    passes: int = 0  # turns passed on `hold`
 
     def __post_init__(self) -> None:
         if self.config.warmup_steps == 0 and self.phase is Phase.WARMUP:
@@ -143,8 +145,10 @@ class PhaseController:
         self.steps_in_phase = 0
         self.check_delay = self.check_misses = 0
 
-    def end_step(self, confidence: float, predictor_ready: bool) -> Phase:
-        """Account for the optimizer step just taken in `self.phase`; return the next step's phase."""
+    def end_step(self, confidence: float, predictor_ready: bool, hold: bool = False) -> Phase:
+        """Account for the optimizer step just taken in `self.phase`; return the next step's phase. `hold`: the
+        evidence says the steps are long enough; a Predict phase that would start passes its turn (a new Full phase,
+        no back-off)."""
         cfg = self.config
         self.phase_steps[self.phase.value] += 1
         self.steps_in_phase += 1
@@ -154,7 +158,10 @@ class PhaseController:
         elif self.phase is Phase.FULL:
             if self.retired or self.steps_in_phase < self.full_required + self.check_delay:
                 return self.phase
-            if predictor_ready and self._confident(confidence):
+            if predictor_ready and hold:
+                self.passes += 1
+                self._enter(Phase.FULL)
+            elif predictor_ready and self._confident(confidence):
                 self.consecutive_predicts = 0
                 self._start_predict(confidence)
             else:

@@ -11,8 +11,7 @@ all-reduce per optimizer step, shared with the gradient norm) before any decisio
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -54,7 +53,7 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
         self.optimizer = optimizer
         self.predictor = build_predictor(settings, params, optimizer)
         config = ControllerConfig.from_settings(settings)
-        self.controller = PhaseController(dataclasses.replace(config, **self.predictor.controller_settings()))
+        self.controller = PhaseController(replace(config, **self.predictor.controller_settings()))
         self.monitor = DivergenceMonitor(
             band_sigmas=settings.hybrid_loss_band, grad_explosion_factor=settings.hybrid_grad_explosion_factor
         )
@@ -176,14 +175,16 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
         self.predictor.release()
         self._anchor = self._predicted = None
 
-    def end_step(self) -> Phase:
-        """After the optimizer step: decide the next step's phase."""
-        record = self.record
+    def end_step(self, hold: bool = False) -> Phase:
+        """After the optimizer step: decide the next step's phase (`hold`: pass a turn to predict, see lr_scale.py)."""
+        record, passes = self.record, self.controller.passes
         if not record.rollback:
             if self._forecasting and self.controller.confidence_due:
                 self.confidence = self.dynamics.confidence()
             ready = self.predictor.ready and (self.dynamics.ready or not self.predictor.uses_forecast)
-            self.controller.end_step(self.confidence, ready)
+            self.controller.end_step(self.confidence, ready, hold)
+            if self.controller.passes > passes:
+                self.predictor.turn_passed()
             phase = self.controller.phase
             over = record.phase is Phase.CORRECT or (record.phase is Phase.PREDICT and phase is not Phase.PREDICT)
             if over and phase is not Phase.CORRECT and not self.settings.hybrid_payoff_check:
@@ -217,7 +218,7 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
         return run_stats(dict(c.phase_steps), rollbacks=c.rollbacks, retired=c.retired, divergences=m.divergences,
                          non_finite=m.non_finite, skipped_steps=self.skipped_steps, undone_steps=self.undone_steps,
                          predictions_judged=p.verdicts, predictions_kept=p.paid, jump_gain=p.kept_gain,
-                         jump_worth_steps=p.kept_worth)
+                         jump_worth_steps=p.kept_worth, turns_passed=c.passes)
 
     @staticmethod
     def plain_stats(steps: int) -> dict:
@@ -289,11 +290,11 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
 
 def run_stats(phase_steps: dict, rollbacks: int = 0, retired: bool = False, divergences: int = 0, non_finite: int = 0,
               skipped_steps: int = 0, undone_steps: int = 0, predictions_judged: int = 0, predictions_kept: int = 0,
-              jump_gain: float = 0.0, jump_worth_steps: float = 0.0) -> dict:
+              jump_gain: float = 0.0, jump_worth_steps: float = 0.0, turns_passed: int = 0) -> dict:
     """The engine's end-of-run numbers, one key list whether the hybrid ran or not (the defaults: it did not)."""
     total, predict = sum(phase_steps.values()), phase_steps[Phase.PREDICT.value]
     return {"phase_steps": phase_steps, "backward_steps": total - predict, "predict_steps": predict,
             "backward_reduction": predict / total if total else 0.0, "rollbacks": rollbacks, "retired": retired,
             "divergences": divergences, "non_finite": non_finite, "skipped_steps": skipped_steps,
-            "undone_steps": undone_steps, "predictions_judged": predictions_judged,
+            "undone_steps": undone_steps, "predictions_judged": predictions_judged, "turns_passed": turns_passed,
             "predictions_kept": predictions_kept, "jump_gain": jump_gain, "jump_worth_steps": jump_worth_steps}

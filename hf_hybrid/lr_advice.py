@@ -15,14 +15,18 @@ MIN_SPEEDUP = 1.1  # kept jumps must be worth at least a tenth of the run's real
 
 
 def jump_summary(stats: dict) -> str | None:
-    """One line on what the kept jumps gained, or None when no jump was judged."""
-    judged, kept = stats["predictions_judged"], stats["predictions_kept"]
+    """One line on what the kept jumps gained and how many turns to jump passed, or None when neither happened."""
+    judged, kept, passed = stats["predictions_judged"], stats["predictions_kept"], stats["turns_passed"]
+    held = f"{passed} turns to jump passed: the probe along the optimizer's next step said its steps were long enough"
     if not judged:
-        return None
+        return f"hf_hybrid: no jump was tried; {held}." if passed else None
     if not kept:
-        return f"hf_hybrid: all {judged} jumps were rolled back, so these weights are the plain Trainer's steps."
-    return (f"hf_hybrid: {kept} of {judged} jumps kept; together they gained {stats['jump_gain']:.4f} probe loss, "
-            f"worth about {stats['jump_worth_steps']:.0f} real steps over {stats['backward_steps']} real steps.")
+        line = f"hf_hybrid: all {judged} jumps were rolled back, so these weights are the plain Trainer's steps"
+    else:
+        line = (f"hf_hybrid: {kept} of {judged} jumps kept; together they gained {stats['jump_gain']:.4f} probe "
+                f"loss, worth about {stats['jump_worth_steps']:.0f} real steps over {stats['backward_steps']} real "
+                "steps")
+    return f"{line}; {held}." if passed else f"{line}."
 
 
 def lr_too_small(stats: dict, learning_rate: float) -> str | None:

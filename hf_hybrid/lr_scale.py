@@ -19,6 +19,10 @@ is kept when a real step still made KEEP_SHARE of the progress a step made befor
 bit (weights, optimizer state, schedule back to the undo point, the scale back to what it was), and the next raise
 waits 2, 4, ... readings. A guard rollback (the weights were damaged) ends a trial and lowers a raised scale. The
 scale never goes below the user's LR: a run too fast for its data is the guard's to catch.
+The same reading holds the jumps back: a reach under TARGET_REACH says today's steps already go as far as the line
+runs, where a jump, which extends the path the steps took, has never paid (at the swept LR and at 3x it, every jump
+was taken at such a reading; runs 128-137 in docs/benchmarks.md). Until the next reading, the trainer's predictor
+passes its turn instead of jumping.
 No raise starts in the schedule's warmup (a run's first descent reads long at any LR) or once it has decayed below half
 its peak (the final decay is the user's).
 """
@@ -60,6 +64,7 @@ class LrScale:
     raises_kept: int = 0
     trials_undone: int = 0
     lowered: int = 0
+    last_reach: float | None = None  # the last reading's, at the schedule's peak
 
     def reading(self, f0: float, f1: float, f2: float, spacing: float, steps: int, schedule_factor: float,
                 frozen: bool) -> str | None:
@@ -70,7 +75,7 @@ class LrScale:
         self.last_loss = f0
         if rate is not None and not math.isfinite(rate):
             rate = -math.inf
-        reach = spacing * reach_of_line(f0, f1, f2) * schedule_factor
+        reach = self.last_reach = spacing * reach_of_line(f0, f1, f2) * schedule_factor
         self.wait = max(self.wait - 1, 0)
         verdict = None
         if self.trial_from is not None:
@@ -106,6 +111,11 @@ class LrScale:
             self.lowered += 1
 
     @property
+    def steps_long_enough(self) -> bool:
+        """Whether the last reading says the steps already reach the line's bottom: no jump until the next one."""
+        return self.last_reach is not None and self.last_reach < TARGET_REACH
+
+    @property
     def on_trial(self) -> bool:
         return self.trial_from is not None
 
@@ -119,5 +129,5 @@ class LrScale:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     def load_state_dict(self, state: dict) -> None:
-        for f in fields(self):
-            setattr(self, f.name, state[f.name])
+        for f in fields(self):  # `last_reach` is absent from checkpoints written before it held the jumps back
+            setattr(self, f.name, state.get(f.name, f.default))

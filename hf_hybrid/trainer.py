@@ -184,8 +184,8 @@ class HybridMixin:
         elif record.skipped:  # a vetoed real step (a NaN, the guard): it neither counts nor advances the schedule
             self._hybrid_steps.make_up(1, self._hybrid_steps.skipped_schedule)
         guard_action = self._guard_loop.end_step(control) if self._guard_loop is not None else None
-        next_phase = engine.end_step()
         autopilot = self._lr_autopilot
+        next_phase = engine.end_step(hold=autopilot is not None and autopilot.scale.steps_long_enough)
         if autopilot is not None:
             real_step = record.phase.has_backward and not (record.skipped or record.rollback)
             autopilot.end_step(record.step, real_step, guard_action)

@@ -30,7 +30,7 @@ DEFAULTS = dict(hybrid_predictor="outer", hybrid_outer_period=5, hybrid_warmup_s
 def main(out_dir: str, resume_from: str | None) -> None:
     # Every other verdict rejects its jump, in the same order on both ranks (and in a resumed run, from its count).
     original = PayoffMeter.verdict
-    PayoffMeter.verdict = lambda self, gain: original(self, gain if self.verdicts % 2 else float("-inf"))
+    PayoffMeter.verdict = lambda self, gain, noise: original(self, gain if self.verdicts % 2 else float("-inf"), noise)
     # The tiny task's lines along the next step are short: until a raise has been tried, each reading's line still
     # falls at 8 steps, so that the learning-rate autopilot tries one, which both ranks must judge alike. The rule
     # reads the checkpointed scale, so a resumed run follows it too.

@@ -194,3 +194,17 @@ def test_state_dict_round_trip_continues_identically(confidences, cut):
     for conf in confidences[cut:]:
         assert a.end_step(conf, True) == b.end_step(conf, True)
     assert a.state_dict() == b.state_dict()
+
+
+def test_a_held_turn_passes_without_a_jump_or_back_off_and_the_next_turn_comes_a_full_phase_later():
+    c = PhaseController(ControllerConfig(warmup_steps=1, full_steps=3, min_predict_steps=1, max_predict_steps=1,
+                                         correct_steps=0, confidence_threshold=0.0, max_consecutive_predicts=1))
+    phases = []
+    for step in range(11):
+        phases.append(c.phase.value)
+        c.end_step(1.0, True, hold=step < 7)  # held at the turns after steps 3 and 6, not at the one after 9
+    assert phases == ["warmup"] + ["full"] * 9 + ["predict"]
+    assert (c.passes, c.backoff, c.rollbacks, c.consecutive_rejections) == (2, 0, 0, 0)
+    restored = PhaseController(c.config)
+    restored.load_state_dict(c.state_dict())
+    assert restored.passes == 2

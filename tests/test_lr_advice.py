@@ -40,5 +40,5 @@ def test_at_the_tuned_learning_rate_it_stays_silent(tmp_out, caplog):
 
 def test_few_verdicts_are_no_evidence():
     stats = {"predictions_judged": 2, "predictions_kept": 2, "jump_gain": 1.0, "jump_worth_steps": 500.0,
-             "backward_steps": 100}
+             "backward_steps": 100, "turns_passed": 0}
     assert not any("too small" in line for line in jump_advice(stats, 1e-4))

@@ -320,3 +320,40 @@ def test_readings_that_ask_for_nothing_come_less_often(tmp_out, monkeypatch):
     trainer.train()
     gaps = [b - a for a, b in zip(read_at, read_at[1:])]
     assert gaps[:5] == [10, 20, 40, 80, 80], read_at
+
+
+def test_a_short_line_holds_the_jumps_back_and_a_longer_one_lets_them_through():
+    s = LrScale()
+    assert not s.steps_long_enough  # no reading yet: no evidence either way
+    read(s, 5.0, bottom=1.5)
+    assert s.steps_long_enough  # the steps reach the line's bottom already
+    read(s, 4.9, bottom=3.0)  # under the raise gate, over the aim
+    assert not s.steps_long_enough and s.scale == 1.0
+    saved = s.state_dict()
+    del saved["last_reach"]  # a checkpoint written before the hold
+    s.load_state_dict(saved)
+    assert s.last_reach is None
+
+
+HELD = dict(OUTER, max_steps=80, hybrid_warmup_steps=12, lr_scheduler_type="constant")
+
+
+def run_with_readings_of(tmp_path, monkeypatch, reach: float, name: str) -> HybridHFTrainer:
+    """Every autopilot reading's line bottoms out `reach` of today's steps out (never enough for a raise). The first
+    turn to jump comes after the first reading (step 10)."""
+    monkeypatch.setattr("hf_hybrid.lr_scale.reach_of_line", lambda f0, f1, f2: reach / SPACING)
+    trainer = make_trainer(tmp_path / name, learning_rate=1e-3, model=tiny_gpt2(dropout=0.1), **HELD)
+    trainer.train()
+    return trainer
+
+
+def test_where_the_steps_are_long_enough_no_jump_is_tried_and_the_run_is_the_trainers(tmp_path, monkeypatch):
+    held = run_with_readings_of(tmp_path, monkeypatch, reach=1.0, name="held")
+    stats = held.hybrid_stats()
+    assert stats["predictions_judged"] == 0 and stats["predict_steps"] == 0 and stats["turns_passed"] >= 10
+    assert held._lr_autopilot.scale.scale == 1.0
+    plain = make_trainer(tmp_path / "plain", learning_rate=1e-3, model=tiny_gpt2(dropout=0.1), hybrid=False, **HELD)
+    plain.train()
+    assert_bit_identical(state(plain.model), state(held.model))
+    tried = run_with_readings_of(tmp_path, monkeypatch, reach=3.0, name="tried")
+    assert tried.hybrid_stats()["predictions_judged"] > 0 and tried.hybrid_stats()["turns_passed"] == 0

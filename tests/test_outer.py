@@ -100,7 +100,9 @@ def test_the_guards_snapshot_stands_on_the_anchor_and_a_rollback_restarts_the_cy
     the next cycle starts there with no momentum."""
     plan = FaultPlan(spike_step=27)
     # Snapshots due by count come later than every cycle start here (see the next test for a longer cycle).
-    trainer = guarded_trainer(tmp_out, plan, hybrid_predict=True, **OUTER, hybrid_guard_snapshot_steps=50)
+    # The autopilot off: its readings would pass turns to jump on this model (a short line); kept jumps are needed.
+    trainer = guarded_trainer(tmp_out, plan, hybrid_predict=True, **OUTER, hybrid_guard_snapshot_steps=50,
+                              hybrid_lr_autopilot=False)
     rows, weights_before_update = [], {}
 
     class Outer(TrainerCallback):
@@ -221,7 +223,9 @@ def test_without_the_verdict_a_kept_jump_ends_a_run_of_rejections(tmp_out, monke
             self.rollback()
 
     monkeypatch.setattr(JumpLifecycle, "check_predict_step", scripted_check)
-    trainer, rows = run(tmp_out, hybrid_payoff_check=False, hybrid_max_rejections=2, max_steps=100)
+    # The autopilot off: its readings would pass turns to jump on this model (a short line), which this test scripts.
+    trainer, rows = run(tmp_out, hybrid_payoff_check=False, hybrid_max_rejections=2, max_steps=100,
+                        hybrid_lr_autopilot=False)
     outcomes = [r["rollback"] for r in rows if r["phase"] is Phase.PREDICT]
     assert outcomes[:5] == [True, False, True, False, True]
     assert not trainer._hybrid.controller.retired

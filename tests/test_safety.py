@@ -276,7 +276,9 @@ def test_repeated_rejections_retire_prediction_and_give_back_its_buffers(tmp_pat
     """Three rejected jumps in a row: no Predict step after the third, no more loss-forecast work, the velocity
     and snapshot buffers freed, and a resumed engine stays retired."""
     reject_every_jump(monkeypatch)
-    trainer, rows = train_recorded(tmp_path, hybrid_payoff_check=True, max_steps=120, hybrid_max_rejections=3)
+    # The autopilot off: its readings would pass turns to jump on this model (a short line) instead of rejecting them.
+    trainer, rows = train_recorded(tmp_path, hybrid_payoff_check=True, max_steps=120, hybrid_max_rejections=3,
+                                   hybrid_lr_autopilot=False)
     rollbacks = [i for i, r in enumerate(rows) if r["rollback"]]
     assert len(rollbacks) == 3
     assert all(r["phase"] is not Phase.PREDICT for r in rows[rollbacks[-1] + 1:])
@@ -296,5 +298,5 @@ def test_repeated_rejections_retire_prediction_and_give_back_its_buffers(tmp_pat
     assert engine._anchor is None and engine._predicted is None
 
     trainer, rows = train_recorded(tmp_path / "never", hybrid_payoff_check=True, max_steps=120,
-                                   hybrid_max_rejections=0)
+                                   hybrid_max_rejections=0, hybrid_lr_autopilot=False)
     assert sum(r["rollback"] for r in rows) >= 4

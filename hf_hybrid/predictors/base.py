@@ -81,6 +81,9 @@ class Predictor(ABC):
     def jump_undone(self) -> None:  # noqa: B027 - optional hook
         """The jump was rolled back: the weights are back where it began."""
 
+    def turn_passed(self) -> None:  # noqa: B027 - optional hook
+        """A turn to predict passed without a jump (the steps were long enough already)."""
+
     def move_anchor(self) -> bool:
         """At a real step that passed its checks, before its update: start a new cycle here if one is due. Returns
         whether it did (the guard then takes its snapshot, see `held_weights`)."""

@@ -149,6 +149,11 @@ class OuterMomentumPredictor(Predictor):
         """The weights are back where the jump began: the next cycle starts there, with the momentum as it was."""
         self.anchor_due = True
 
+    def turn_passed(self) -> None:
+        """No jump this cycle: the next one starts at the next accepted step, where the guard's snapshot stands on
+        its anchor again (a cycle held on would need copies of the weights of its own)."""
+        self.anchor_due = True
+
     def state_dict(self) -> dict:
         # Handed over, not cloned: the checkpoint is written at once, and a copy would add 2x the parameters.
         self.copies.wait()
