@@ -145,7 +145,7 @@ def print_table(report: dict) -> None:
     if stats:
         print(f"phase steps: {stats['phase_steps']}")
         print(f"backward reduction: {stats['backward_reduction']:.3f}, rollbacks: {stats['rollbacks']}, "
-              f"divergences: {stats['divergences']}")
+              f"divergences: {stats['divergences']}, turns to jump passed: {stats.get('turns_passed', 0)}")
         print(f"guard: {stats.get('guard_outliers', 0)} steps flagged, {stats.get('guard_rollbacks', 0)} rollbacks")
     timing = report["baseline"][0]["timing"]
     if timing:
