@@ -257,6 +257,8 @@ def test_after_rejected_jumps_and_readings_training_is_the_trainers_bit_for_bit(
 
     reject_every_jump(monkeypatch)
     monkeypatch.setattr("hf_hybrid.lr_scale.RAISE_REACH", math.inf)
+    # Nor does any reading hold the jumps back: they are to be tried and rejected.
+    monkeypatch.setattr("hf_hybrid.lr_scale.LrScale.steps_long_enough", property(lambda self: False))
     readings = Readings(monkeypatch)
     recorder = StepRecorder()
     trainer = make_trainer(tmp_path / "hybrid", model=tiny_gpt2(dropout=0.1), dataset=token_dataset(1024),
