@@ -20,9 +20,9 @@ bit (weights, optimizer state, schedule back to the undo point, the scale back t
 waits 2, 4, ... readings. A guard rollback (the weights were damaged) ends a trial and lowers a raised scale. The
 scale never goes below the user's LR: a run too fast for its data is the guard's to catch.
 The same reading holds the jumps back: a reach under TARGET_REACH says today's steps already go as far as the line
-runs, where a jump, which extends the path the steps took, has never paid (at the swept LR and at 3x it, every jump
-was taken at such a reading; runs 128-137 in docs/benchmarks.md). Until the next reading, the trainer's predictor
-passes its turn instead of jumping.
+runs, where a jump, which extends the path the steps took, has not been worth keeping (at the swept LR and at 3x it,
+every jump came after such a reading, and the kept ones ended runs above the Trainer as often as below it; runs
+128-137 in docs/benchmarks.md). Until the next reading, the trainer's predictor passes its turn instead of jumping.
 No raise starts in the schedule's warmup (a run's first descent reads long at any LR) or once it has decayed below half
 its peak (the final decay is the user's).
 """
