@@ -23,6 +23,7 @@ from .config import lr_autopilot_missing
 from .guard_loop import GuardAtLoop
 from .lr_scale import LrScale
 from .step_line import SPACING, adam_family, next_step_line
+from .trial_verdict import raise_gain
 
 logger = logging.get_logger(__name__)
 
@@ -51,6 +52,7 @@ class LrAutopilot:
         self.last_reading = 0  # the global step of the last reading
         self.read_every = READ_EVERY
         self.last_line: tuple[float, float, float] | None = None  # for the step trace
+        self.last_verdict: tuple[float, float] | None = None  # a trial's (gain, noise), for the step trace
         if saved is not None:  # the scheduler's own state, loaded with the checkpoint, holds the scaled base LRs
             self.scale.load_state_dict(saved["scale"])
             self.user_base_lrs, self.last_reading = saved["user_base_lrs"], saved["last_reading"]
@@ -111,7 +113,7 @@ class LrAutopilot:
         """At an optimizer step's end: act on a guard rollback, and every few real steps read the next step's line."""
         scale, before = self.scale, self.scale.scale
         replay = self.trainer._hybrid.replay
-        self.last_line = None
+        self.last_line = self.last_verdict = None
         if guard_action is not None:
             replay.end_trial()  # the guard dropped batches inside the trial; they are not given back
         if guard_action == "rollback":
@@ -122,7 +124,8 @@ class LrAutopilot:
             line = trainer._hybrid_reduce(*next_step_line(trainer, trainer.model_wrapped, trainer._hybrid, self.probe))
             self.last_line = tuple(line)
             decision = scale.reading(*line, spacing=SPACING, steps=step - self.last_reading,
-                                     schedule_factor=self._schedule_factor(), frozen=self._frozen())
+                                     schedule_factor=self._schedule_factor(), frozen=self._frozen(),
+                                     trial_paid=scale.on_trial and self._raise_paid())
             self.last_reading = step
             busy = decision in ("raise", "keep") or scale.on_trial or not had_rate
             self.read_every = READ_EVERY if busy else min(2 * self.read_every, MAX_READ_EVERY)
@@ -135,6 +138,14 @@ class LrAutopilot:
         if not scale.on_trial:
             replay.end_trial()
         self.guard_loop.snapshot_held = scale.on_trial
+
+    def _raise_paid(self) -> bool:
+        """The verdict on the raise under trial (trial_verdict.py), judged as a jump is: by the noise margin."""
+        trainer = self.trainer
+        gain, noise = raise_gain(trainer, trainer.model_wrapped, trainer._hybrid, self.probe,
+                                 self.guard_loop.snapshot, self.scale.trial_raise)
+        self.last_verdict = (gain, noise)
+        return gain - trainer.hybrid_settings.hybrid_probe_noise_margin * noise > 0
 
     def _undo(self, step: int, tried: float) -> None:
         undone = 0

@@ -15,10 +15,11 @@ step (step_line.py): the weights W, W + c*step and W + 2c*step. Call their losse
 
 A raise is a trial. The scale is multiplied by what would put the line's bottom at TARGET_REACH steps, at most
 MAX_RAISE at a time and MAX_SCALE in all, and the trainer takes an undo point. The next reading judges it: the raise
-is kept when a real step still made KEEP_SHARE of the progress a step made before it; otherwise it is undone bit for
-bit (weights, optimizer state, schedule back to the undo point, the scale back to what it was), and the next raise
-waits 2, 4, ... readings. A guard rollback (the weights were damaged) ends a trial and lowers a raised scale. The
-scale never goes below the user's LR: a run too fast for its data is the guard's to catch.
+is kept when the raised steps beat, on the probe, the point the old scale would have reached over the same batches
+(trial_verdict.py); otherwise it is undone bit for bit (weights, optimizer state, schedule back to the undo point, the
+scale back to what it was), and the next raise waits 2, 4, ... readings. A guard rollback (the weights were damaged)
+ends a trial and lowers a raised scale. The scale never goes below the user's LR: a run too fast for its data is the
+guard's to catch.
 The same reading holds the jumps back: a reach under TARGET_REACH says today's steps already go as far as the line
 runs, where a jump, which extends the path the steps took, has not been worth keeping (at the swept LR and at 3x it,
 every jump came after such a reading, and the kept ones ended runs above the Trainer as often as below it; runs
@@ -47,9 +48,6 @@ MAX_SCALE = 10.0
 MAX_RAISE = 4.0
 RAISE_REACH = 4.0  # a next step worth this many of today's (at the schedule's peak) asks for a raise
 TARGET_REACH = 2.0  # and the raise aims the line's bottom here: a reach of 9 raises 4.5x, capped at MAX_RAISE
-# A raised window must keep this share of the per-step progress of the window that asked for it: early on, the
-# progress per step falls fast whatever the LR.
-KEEP_SHARE = 0.5
 
 
 @dataclass
@@ -57,7 +55,6 @@ class LrScale:
     scale: float = 1.0
     last_loss: float | None = None  # f0 at the last reading
     trial_from: float | None = None  # the scale before the raise under trial
-    trial_rate: float = 0.0  # the per-step progress that asked for it
     trial_loss: float = 0.0  # f0 when it was asked for: where an undo takes the probe back to
     wait: int = 0  # readings before the next raise may start
     failures: int = 0  # trials undone in a row
@@ -67,10 +64,11 @@ class LrScale:
     last_reach: float | None = None  # the last reading's, at the schedule's peak
 
     def reading(self, f0: float, f1: float, f2: float, spacing: float, steps: int, schedule_factor: float,
-                frozen: bool) -> str | None:
+                frozen: bool, trial_paid: bool = False) -> str | None:
         """One reading, `steps` real steps after the last; `frozen`: no raise may start now (the schedule's warmup or
-        final decay). Returns what the trainer must do: "raise", "keep" (a trial passed; the scale may have risen
-        again), "undo" (restore the undo point: the scale is already back), or None."""
+        final decay); `trial_paid`: on a trial, the verdict on the raise. Returns what the trainer must do: "raise",
+        "keep" (a trial passed; the scale may have risen again), "undo" (restore the undo point: the scale is already
+        back), or None."""
         rate = (self.last_loss - f0) / steps if self.last_loss is not None and steps > 0 else None
         self.last_loss = f0
         if rate is not None and not math.isfinite(rate):
@@ -79,7 +77,7 @@ class LrScale:
         self.wait = max(self.wait - 1, 0)
         verdict = None
         if self.trial_from is not None:
-            if rate is not None and rate > 0 and rate >= KEEP_SHARE * self.trial_rate:
+            if trial_paid and math.isfinite(f0):
                 verdict, self.failures, self.raises_kept = "keep", 0, self.raises_kept + 1
                 self.trial_from = None
             else:
@@ -89,7 +87,7 @@ class LrScale:
                 return "undo"
         factor = min(reach / TARGET_REACH, MAX_RAISE, MAX_SCALE / self.scale)
         if reach >= RAISE_REACH and rate is not None and rate > 0 and not frozen and not self.wait and factor > 1.0:
-            self.trial_from, self.trial_rate, self.trial_loss = self.scale, rate, f0
+            self.trial_from, self.trial_loss = self.scale, f0
             self.scale *= factor
             return "raise"
         return verdict
@@ -118,6 +116,11 @@ class LrScale:
     @property
     def on_trial(self) -> bool:
         return self.trial_from is not None
+
+    @property
+    def trial_raise(self) -> float:
+        """The factor under trial."""
+        return self.scale / self.trial_from
 
     def stats(self) -> dict:
         """For `hybrid_stats()`; a fresh scale's (1.0, nothing tried) when the autopilot is off, so that the keys never

@@ -56,6 +56,11 @@ class WeightSnapshot:
     def release(self) -> None:
         self.tensors, self.valid, self.adopted = None, False, False
 
+    def settled(self) -> list[Tensor]:
+        """The copy, to read: a device-to-host copy may still be arriving."""
+        self._copies.wait()
+        return self.tensors
+
     def state_dict(self) -> dict:
         """The copy as it stands, for a checkpoint that is written at once: host buffers are handed over, not cloned,
         so saving adds no memory."""
@@ -113,6 +118,13 @@ class TrainingSnapshot:
 
     def invalidate(self) -> None:
         self.step = None
+
+    def weight_copies(self) -> list[Tensor] | None:
+        """The snapshot's weights, one local shard per parameter; None on a rank that keeps no copy (DDP: all but
+        rank 0)."""
+        if not (self.valid and self.holds_copy and self.weights.valid):
+            return None
+        return self.weights.settled()
 
     def capture(self, step: int, made_up: int, params: list[Tensor], optimizer: torch.optim.Optimizer,
                 schedule: dict, on_held_weights: bool = False, held_weights: list[Tensor] | None = None,

@@ -1,6 +1,6 @@
 """The step trace: one JSON line per optimizer step in `<output_dir>/hybrid_trace.jsonl` (phase, loss, time,
-confidence, prediction error, rollback, guard action, learning rate, and at an outer cycle's end the learning-rate
-autopilot's probe line), which `scripts/plot.py` draws."""
+confidence, prediction error, rollback, guard action, learning rate, and at a reading of the learning-rate autopilot
+its probe line and, on a trial, the raise's probe gain and its noise), which `scripts/plot.py` draws."""
 
 from __future__ import annotations
 
@@ -33,11 +33,12 @@ class StepTrace:
         return time.perf_counter() - self.t0
 
     def write_step(self, step: int, record, engine, guard_action: str | None, probe_line: tuple | None,
-                   lr: float) -> None:
+                   raise_verdict: tuple | None, lr: float) -> None:
         """The row of the optimizer step that just ended (`record`: the engine's record of it)."""
         row = {"step": step, "phase": record.phase.value, "loss": record.loss, "time": self.elapsed(),
                "confidence": engine.confidence, "prediction_error": engine.predictor.last_residual,
-               "rollback": record.rollback, "guard": guard_action, "probe_line": probe_line, "lr": lr}
+               "rollback": record.rollback, "guard": guard_action, "probe_line": probe_line,
+               "raise_verdict": raise_verdict, "lr": lr}
         self._file.write(json.dumps(row) + "\n")
 
     @property

@@ -190,8 +190,8 @@ class HybridMixin:
             real_step = record.phase.has_backward and not (record.skipped or record.rollback)
             autopilot.end_step(record.step, real_step, guard_action)
         if self._hybrid_trace is not None:
-            probe_line = autopilot.last_line if autopilot is not None else None
-            self._hybrid_trace.write_step(self.state.global_step, record, engine, guard_action, probe_line,
+            reading = (autopilot.last_line, autopilot.last_verdict) if autopilot is not None else (None, None)
+            self._hybrid_trace.write_step(self.state.global_step, record, engine, guard_action, *reading,
                                           self._hybrid_lr())
         self._hybrid_steps.show_phase(next_phase.value)
 

@@ -15,6 +15,7 @@ from hf_hybrid.engine import HybridEngine
 from hf_hybrid.forward_checks import probe_loss
 from hf_hybrid.lr_scale import LrScale, reach_of_line
 from hf_hybrid.step_line import SPACING, next_step_line
+from hf_hybrid.trial_verdict import raise_gain
 
 from .conftest import hybrid_args, make_trainer, reject_every_jump, tiny_gpt2, token_dataset
 from .test_equivalence_resume import assert_bit_identical, state
@@ -22,12 +23,13 @@ from .test_lr_advice import OUTER
 
 
 def read(s: LrScale, loss: float, bottom: float, steps: int = 10, schedule_factor: float = 1.0,
-         frozen: bool = False) -> str | None:
+         frozen: bool = False, paid: bool = False) -> str | None:
     """A reading whose probe loss at the weights is `loss` and whose line along the next step bottoms out `bottom`
-    steps out."""
+    steps out; `paid`: the verdict on a raise under trial."""
     u = bottom / SPACING  # the bottom in units of the line's spacing
     f0, f1, f2 = (loss + 0.01 * ((x - u) ** 2 - u**2) for x in (0.0, 1.0, 2.0))
-    return s.reading(f0, f1, f2, spacing=SPACING, steps=steps, schedule_factor=schedule_factor, frozen=frozen)
+    return s.reading(f0, f1, f2, spacing=SPACING, steps=steps, schedule_factor=schedule_factor, frozen=frozen,
+                     trial_paid=paid)
 
 
 def test_the_reach_is_where_the_line_bottoms_out():
@@ -38,13 +40,14 @@ def test_the_reach_is_where_the_line_bottoms_out():
     assert reach_of_line(1.0, float("nan"), 0.5) == 0.0
 
 
-def test_a_raise_needs_a_long_line_and_progress_and_is_kept_when_its_steps_still_pay():
+def test_a_raise_needs_a_long_line_and_progress_and_is_kept_when_its_steps_pay():
     s = LrScale()
     assert read(s, 5.0, bottom=12.0) is None  # the first reading has no progress to compare
     assert read(s, 4.9, bottom=2.0) is None  # a short line: the steps are long enough
     assert read(s, 4.8, bottom=6.0) == "raise"  # aimed at a bottom 2 steps out: 3x
-    assert s.scale == pytest.approx(3.0) and s.on_trial and s.trial_rate == pytest.approx(0.01)
-    assert read(s, 4.74, bottom=2.0) == "keep"  # 0.6x the progress per step: kept
+    assert s.scale == pytest.approx(3.0) and s.on_trial and s.trial_raise == pytest.approx(3.0)
+    # Kept on the verdict alone, however the progress per step compares with the window before (here 0.1x of it).
+    assert read(s, 4.79, bottom=2.0, paid=True) == "keep"
     assert s.scale == pytest.approx(3.0) and not s.on_trial and s.raises_kept == 1
     assert read(s, 4.7, bottom=40.0) == "raise" and s.scale == pytest.approx(10.0)  # 4x at most, 10x in all
 
@@ -53,7 +56,7 @@ def test_a_raise_whose_steps_do_not_pay_is_undone_and_the_next_waits():
     s = LrScale()
     read(s, 5.0, bottom=12.0)
     assert read(s, 4.9, bottom=12.0) == "raise"
-    assert read(s, 4.86, bottom=12.0) == "undo"  # 0.4x the progress per step
+    assert read(s, 4.5, bottom=12.0, paid=False) == "undo"  # 4x the progress per step, but the verdict says no
     assert s.scale == 1.0 and s.trials_undone == 1 and s.wait == 2
     assert s.last_loss == pytest.approx(4.9)  # the probe is back where the undo point is
     assert read(s, 4.8, bottom=12.0) is None  # backing off
@@ -141,9 +144,7 @@ def test_an_undone_raise_puts_back_the_weights_before_its_first_update(tmp_out, 
     undone_at, raised_at, cycles_in_trial, undo_points = [], [], [], set()
 
     def fail_every_trial(self, f0, f1, f2, **kwargs):
-        if self.on_trial:
-            f0 = self.last_loss  # no progress at the raised scale
-        return original(self, f0, f1, f2, **kwargs)
+        return original(self, f0, f1, f2, **{**kwargs, "trial_paid": False})  # the verdict's forwards still run
 
     monkeypatch.setattr(LrScale, "reading", fail_every_trial)
     model = tiny_gpt2()
@@ -193,9 +194,7 @@ def fail_every_trial_and_jump(monkeypatch) -> None:
     original = LrScale.reading
 
     def fail_every_trial(self, f0, f1, f2, **kwargs):
-        if self.on_trial:
-            f0 = self.last_loss
-        return original(self, f0, f1, f2, **kwargs)
+        return original(self, f0, f1, f2, **{**kwargs, "trial_paid": False})  # the verdict's forwards still run
 
     monkeypatch.setattr(LrScale, "reading", fail_every_trial)
     reject_every_jump(monkeypatch)
@@ -294,6 +293,27 @@ def test_the_line_runs_along_adams_next_step_and_puts_the_weights_back(tmp_out):
                 p -= 2 * SPACING * lr * m_hat / (v_hat.sqrt() + group["eps"])
     assert f2 == pytest.approx(float(probe_loss(trainer, model, probe)), abs=1e-5)
     assert f1 != f0 and f2 != f1
+
+
+def test_a_raise_is_judged_against_where_the_users_lr_would_have_gone_and_the_weights_come_back(tmp_out):
+    """The verdict's counterfactual: the probe at W0 + (W - W0) / raise, with W0 the guard's snapshot (the trial's
+    undo point), against the probe at W; paired by sequence."""
+    trainer = make_trainer(tmp_out, learning_rate=1e-3, lr_scheduler_type="constant", **{**OUTER, "max_steps": 12})
+    trainer.train()
+    model, engine, snapshot = trainer.model, trainer._hybrid, trainer._guard_loop.snapshot
+    probe = trainer._lr_autopilot.probe
+    start = [t.clone() for t in snapshot.weight_copies()]
+    before = state(model)
+    assert any(not torch.equal(p, w0) for p, w0 in zip(engine.params, start))
+    gain, noise = raise_gain(trainer, model, engine, probe, snapshot, 3.0)
+    assert_bit_identical(state(model), before)
+    assert not engine.snapshot.valid
+    raised = float(probe_loss(trainer, model, probe))
+    with torch.no_grad():
+        for p, w0 in zip(engine.params, start):
+            p.copy_(w0 + (p - w0) / 3.0)
+    assert gain == pytest.approx(float(probe_loss(trainer, model, probe)) - raised, abs=1e-5)
+    assert gain != 0.0 and noise > 0.0
 
 
 def test_with_an_optimizer_it_cannot_read_it_is_off_and_says_why(tmp_out, caplog):

@@ -1,0 +1,55 @@
+"""The verdict on a learning-rate raise: did the raised steps go further than the user's LR would have?
+
+The raise's undo point W0 (the guard's snapshot) and the weights now, W, span the path the raised steps took. Adam's
+steps, weight decay included, are proportional to the learning rate, so over the same batches the user's LR would have
+gone about 1/r of the way (r: the raise), to W0 + (W - W0) / r. The probe batch is read at both points, paired by
+sequence, and the raise is kept when W beats that point by the noise margin of the jumps' probe.
+
+That is a counterfactual on the same batches. The rule it replaces compared the probe's progress per step under the
+raise with the progress per step before it, and early in a run that falls several times over whatever the LR (cpu-lora
+at a fifth of the swept LR, plain Trainer: 0.0164 per step over steps 20-40, 0.0027 over 40-60), so a raise that paid
+was undone (runs 111, 114 in docs/benchmarks.md).
+
+Two forwards and one copy of the weights (the jump's undo copy, free outside a jump), once per trial; under DDP the
+undo point's weights are broadcast from rank 0, which alone keeps them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .forward_checks import probe_loss_by_sequence
+from .predict_step import paired_noise
+from .snapshot import TrainingSnapshot
+
+
+@torch.no_grad()
+def _move_toward_undo_point(shards: list[torch.Tensor], undo_point: TrainingSnapshot, raise_: float) -> None:
+    """W <- W0 + (W - W0) / raise_, one tensor at a time."""
+    start = undo_point.weight_copies()
+    for i, w in enumerate(shards):
+        if undo_point.replicated:
+            w0 = torch.empty_like(w)
+            if start is not None:
+                w0.copy_(start[i])
+            dist.broadcast(w0, src=0)
+        else:
+            w0 = start[i].to(w.device, non_blocking=True)
+        w.lerp_(w0, 1.0 - 1.0 / raise_)
+
+
+@torch.no_grad()
+def raise_gain(trainer, model: torch.nn.Module, engine, probe: dict, undo_point: TrainingSnapshot,
+               raise_: float) -> tuple[float, float]:
+    """The probe's loss where the user's LR would have taken the weights, minus its loss at the raised weights
+    (positive: the raise paid), and the standard error of that difference; both over every rank's probe."""
+    shards = engine._shards()
+    engine.snapshot.capture(shards)  # the jump's undo copy, free outside a jump
+    raised, raised_rows = probe_loss_by_sequence(trainer, model, probe)
+    _move_toward_undo_point(shards, undo_point, raise_)
+    user, user_rows = probe_loss_by_sequence(trainer, model, probe)
+    engine.snapshot.restore(shards)
+    engine.snapshot.release()
+    gain = trainer._hybrid_reduce(user - raised)[0]
+    return gain, paired_noise(trainer, user_rows, raised_rows)
