@@ -65,9 +65,10 @@ class HybridTrainingArguments(TrainingArguments):
             Raise the learning rate when a probe along the optimizer's next step (three forwards, every 10 real
             steps, spaced out to 80 while it asks for nothing) shows the steps are too short: one multiplier on the
             whole schedule (logged as `hybrid/lr_scale`), sized to the reading, up to 4x at a time and 10x in all,
-            never below the user's. Each raise is judged at the next reading and undone bit for bit (to the guard's
-            snapshot) when its steps do not keep half the progress per step of the steps before; no raise in the
-            schedule's warmup or final decay. Needs the guard's snapshots and an Adam-family optimizer. `False` keeps
+            never below the user's. Each raise is judged at the next reading, on the probe, against the point the
+            user's LR would have reached over the same batches (two forwards), and undone bit for bit (to the guard's
+            snapshot) when it did worse by more than `hybrid_probe_noise_margin`; no raise in the schedule's warmup or
+            final decay. Needs the guard's snapshots and an Adam-family optimizer. `False` keeps
             `--learning_rate` exactly.
         hybrid_monitor_interval (`int`, defaults to `1`):
             Run a forward pass to check the loss on every N-th predicted step (and always on a phase's last);

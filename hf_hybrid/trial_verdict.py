@@ -3,7 +3,8 @@
 The raise's undo point W0 (the guard's snapshot) and the weights now, W, span the path the raised steps took. Adam's
 steps, weight decay included, are proportional to the learning rate, so over the same batches the user's LR would have
 gone about 1/r of the way (r: the raise), to W0 + (W - W0) / r. The probe batch is read at both points, paired by
-sequence, and the raise is kept when W beats that point by the noise margin of the jumps' probe.
+sequence; the raise is undone when W is worse than that point by more than the noise margin of the jumps' probe
+(`LrAutopilot._raise_paid` says why an even result keeps it).
 
 That is a counterfactual on the same batches. The rule it replaces compared the probe's progress per step under the
 raise with the progress per step before it, and early in a run that falls several times over whatever the LR (cpu-lora
