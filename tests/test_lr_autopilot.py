@@ -316,6 +316,24 @@ def test_a_raise_is_judged_against_where_the_users_lr_would_have_gone_and_the_we
     assert gain != 0.0 and noise > 0.0
 
 
+@pytest.mark.parametrize(("gain", "noise", "kept"), [(0.01, 0.0, True), (-0.03, 0.02, True), (-0.05, 0.02, False),
+                                                    (-1e-6, 0.0, False)])
+def test_a_raise_is_undone_only_when_it_did_worse_by_more_than_the_noise(tmp_out, monkeypatch, gain, noise, kept):
+    trainer = make_trainer(tmp_out, learning_rate=1e-3, lr_scheduler_type="constant", **{**OUTER, "max_steps": 12})
+    trainer.train()
+    autopilot = trainer._lr_autopilot
+    autopilot.scale.trial_from = autopilot.scale.scale / 2
+    asked = []
+
+    def scripted(trainer, model, engine, probe, undo_point, raise_):
+        asked.append(raise_)
+        return gain, noise
+
+    monkeypatch.setattr("hf_hybrid.lr_autopilot.raise_gain", scripted)
+    assert autopilot._raise_paid() is kept  # the default margin: 2 standard errors
+    assert asked == [pytest.approx(2.0)] and autopilot.last_verdict == (gain, noise)
+
+
 def test_with_an_optimizer_it_cannot_read_it_is_off_and_says_why(tmp_out, caplog):
     with caplog.at_level(logging.WARNING):
         trainer = make_trainer(tmp_out, learning_rate=1e-4, optim="sgd", **{**OUTER, "max_steps": 12})
