@@ -145,8 +145,11 @@ class LrAutopilot:
         by evidence of its own (a line at least twice as long as the steps it aims for), and what it is worth accrues
         over hundreds of steps: on cpu-lora at a fifth of the swept LR the swept LR's lead on the probe grew by 0.0027
         per 10 steps on average, against a noise of 0.02 on one trial's verdict (session 22), so a verdict that asked
-        the trial to prove its gain would undo every raise there. An overshoot shows at once."""
+        the trial to prove its gain would undo every raise there. An overshoot shows at once. With no undo point to
+        compare against (a trial whose steps the guard all vetoed), the raise cannot be judged and is undone."""
         trainer = self.trainer
+        if not self.guard_loop.snapshot.valid:
+            return False
         gain, noise = raise_gain(trainer, trainer.model_wrapped, trainer._hybrid, self.probe,
                                  self.guard_loop.snapshot, self.scale.trial_raise)
         self.last_verdict = (gain, noise)

@@ -332,6 +332,8 @@ def test_a_raise_is_undone_only_when_it_did_worse_by_more_than_the_noise(tmp_out
     monkeypatch.setattr("hf_hybrid.lr_autopilot.raise_gain", scripted)
     assert autopilot._raise_paid() is kept  # the default margin: 2 standard errors
     assert asked == [pytest.approx(2.0)] and autopilot.last_verdict == (gain, noise)
+    trainer._guard_loop.snapshot.invalidate()  # no undo point: nothing to judge against
+    assert autopilot._raise_paid() is False and len(asked) == 1
 
 
 def test_with_an_optimizer_it_cannot_read_it_is_off_and_says_why(tmp_out, caplog):
