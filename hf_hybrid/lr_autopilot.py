@@ -27,9 +27,10 @@ from .trial_verdict import raise_gain
 
 logger = logging.get_logger(__name__)
 
-# Real steps between two readings while a raise is asked for or judged: early enough to raise in the first tens of
-# steps, where a too-small LR costs the most. A reading costs three forwards (a step's worth of compute), so one that
-# asks for nothing doubles the gap, up to MAX_READ_EVERY: at a tuned LR the readings cost about 1% of the run.
+# Real steps between two readings while a raise is asked for, judged or building up (a steady reach takes several
+# readings that read a line): early enough to raise in the first tens of steps, where a too-small LR costs the most.
+# A reading costs three forwards (a step's worth of compute), so one that asks for nothing and reads no line doubles the
+# gap, up to MAX_READ_EVERY: at a tuned LR, where most lines read 0, the readings cost about 1% of the run.
 READ_EVERY = 10
 MAX_READ_EVERY = 80
 
@@ -127,7 +128,7 @@ class LrAutopilot:
                                      schedule_factor=self._schedule_factor(), frozen=self._frozen(),
                                      trial_paid=scale.on_trial and self._raise_paid())
             self.last_reading = step
-            busy = decision in ("raise", "keep") or scale.on_trial or not had_rate
+            busy = decision in ("raise", "keep") or scale.on_trial or not had_rate or scale.evidence_building
             self.read_every = READ_EVERY if busy else min(2 * self.read_every, MAX_READ_EVERY)
             if decision == "raise":
                 self.guard_loop.snapshot_asked = True  # the undo point: before the first update at the new scale

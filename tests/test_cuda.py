@@ -257,6 +257,7 @@ def test_after_rejected_jumps_and_readings_training_is_the_trainers_bit_for_bit(
 
     reject_every_jump(monkeypatch)
     monkeypatch.setattr("hf_hybrid.lr_scale.RAISE_REACH", math.inf)
+    monkeypatch.setattr("hf_hybrid.lr_scale.STEADY_REACH", math.inf)
     # Nor does any reading hold the jumps back: they are to be tried and rejected.
     monkeypatch.setattr("hf_hybrid.lr_scale.LrScale.steps_long_enough", property(lambda self: False))
     readings = Readings(monkeypatch)

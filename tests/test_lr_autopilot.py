@@ -43,13 +43,39 @@ def test_the_reach_is_where_the_line_bottoms_out():
 def test_a_raise_needs_a_long_line_and_progress_and_is_kept_when_its_steps_pay():
     s = LrScale()
     assert read(s, 5.0, bottom=12.0) is None  # the first reading has no progress to compare
-    assert read(s, 4.9, bottom=2.0) is None  # a short line: the steps are long enough
+    for loss in (4.9, 4.85):
+        assert read(s, loss, bottom=0.0) is None  # the loss rose along the line: the steps are long enough
     assert read(s, 4.8, bottom=6.0) == "raise"  # aimed at a bottom 2 steps out: 3x
     assert s.scale == pytest.approx(3.0) and s.on_trial and s.trial_raise == pytest.approx(3.0)
     # Kept on the verdict alone, however the progress per step compares with the window before (here 0.1x of it).
     assert read(s, 4.79, bottom=2.0, paid=True) == "keep"
     assert s.scale == pytest.approx(3.0) and not s.on_trial and s.raises_kept == 1
     assert read(s, 4.7, bottom=40.0) == "raise" and s.scale == pytest.approx(10.0)  # 4x at most, 10x in all
+
+
+def test_a_steady_line_raises_where_one_long_reading_among_short_ones_does_not():
+    """Readings under the single-reading gate: three in a row whose median is a line a step or more long raise, sized
+    to bring the median to half a step; at a tuned LR most lines read 0, and a lone longer one is noise."""
+    tuned = LrScale()
+    for i, bottom in enumerate((0.0, 1.9, 0.0, 0.0, 3.5, 0.0)):
+        assert read(tuned, 5.0 - i / 10, bottom=bottom) is None
+    assert tuned.scale == 1.0
+    small = LrScale()
+    assert [read(small, 5.0 - i / 10, bottom=b) for i, b in enumerate((1.2, 1.6, 1.4))] == [None, None, "raise"]
+    assert small.trial_raise == pytest.approx(1.4 / 0.5, rel=1e-4)
+    # Kept: the readings before the trial were at the old scale, so the next steady reach starts from the verdict's.
+    assert read(small, 4.6, bottom=1.5, paid=True) == "keep" and small.recent == pytest.approx((1.5,), rel=1e-4)
+    assert read(small, 4.5, bottom=1.5) is None
+    assert read(small, 4.4, bottom=1.5) == "raise"
+    assert small.scale == pytest.approx(2.8 * 3.0, rel=1e-3)
+    frozen = LrScale()  # readings in the schedule's warmup or final decay are not evidence about its peak
+    for i in range(3):
+        assert read(frozen, 5.0 - i / 10, bottom=1.5, frozen=True) is None
+    assert read(frozen, 4.6, bottom=1.5) is None and frozen.recent == pytest.approx((1.5,), rel=1e-4)
+    saved = frozen.state_dict()
+    del saved["recent"]  # a checkpoint written before the steady reach
+    frozen.load_state_dict(saved)
+    assert frozen.recent == ()
 
 
 def test_a_raise_whose_steps_do_not_pay_is_undone_and_the_next_waits():
@@ -378,22 +404,34 @@ def test_a_short_line_holds_the_jumps_back_and_a_longer_one_lets_them_through():
 HELD = dict(OUTER, max_steps=80, hybrid_warmup_steps=12, lr_scheduler_type="constant")
 
 
-def run_with_readings_of(tmp_path, monkeypatch, reach: float, name: str) -> HybridHFTrainer:
-    """Every autopilot reading's line bottoms out `reach` of today's steps out (never enough for a raise). The first
-    turn to jump comes after the first reading (step 10)."""
+def run_with_readings_of(tmp_path, monkeypatch, reach: float, name: str) -> tuple[HybridHFTrainer, list[int]]:
+    """Every autopilot reading's line bottoms out `reach` of today's steps out. The first turn to jump comes after the
+    first reading (step 11). Returns the trainer and the steps it read at."""
     monkeypatch.setattr("hf_hybrid.lr_scale.reach_of_line", lambda f0, f1, f2: reach / SPACING)
     trainer = make_trainer(tmp_path / name, learning_rate=1e-3, model=tiny_gpt2(dropout=0.1), **HELD)
+    read_at = []
+
+    class Readings(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if trainer._lr_autopilot.last_line is not None:
+                read_at.append(state.global_step)
+
+    trainer.add_callback(Readings())
     trainer.train()
-    return trainer
+    return trainer, read_at
 
 
 def test_where_the_steps_are_long_enough_no_jump_is_tried_and_the_run_is_the_trainers(tmp_path, monkeypatch):
-    held = run_with_readings_of(tmp_path, monkeypatch, reach=1.0, name="held")
+    """A line under a step at every reading, as tuned runs read: no raise, no jump, the Trainer bit for bit; and
+    since each reading reads a line, they keep coming every 10 steps (a steady reach could be building)."""
+    held, read_at = run_with_readings_of(tmp_path, monkeypatch, reach=0.8, name="held")
     stats = held.hybrid_stats()
     assert stats["predictions_judged"] == 0 and stats["predict_steps"] == 0 and stats["turns_passed"] >= 10
     assert held._lr_autopilot.scale.scale == 1.0
+    assert read_at == list(range(11, 80, 10))
     plain = make_trainer(tmp_path / "plain", learning_rate=1e-3, model=tiny_gpt2(dropout=0.1), hybrid=False, **HELD)
     plain.train()
     assert_bit_identical(state(plain.model), state(held.model))
-    tried = run_with_readings_of(tmp_path, monkeypatch, reach=3.0, name="tried")
+    monkeypatch.setattr("hf_hybrid.lr_scale.STEADY_REACH", math.inf)  # a longer line, but no raise
+    tried, _ = run_with_readings_of(tmp_path, monkeypatch, reach=3.0, name="tried")
     assert tried.hybrid_stats()["predictions_judged"] > 0 and tried.hybrid_stats()["turns_passed"] == 0
