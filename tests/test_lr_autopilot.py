@@ -370,11 +370,8 @@ def test_with_an_optimizer_it_cannot_read_it_is_off_and_says_why(tmp_out, caplog
     assert "it needs an Adam-family optimizer" in caplog.text
 
 
-def test_readings_that_ask_for_nothing_come_less_often(tmp_out, monkeypatch):
-    """Every reading sees a short line: after the first two (no progress to compare yet, then nothing asked), the gap
-    between readings doubles up to its cap, so a tuned LR pays for few of them."""
-    monkeypatch.setattr(LrScale, "reading", lambda self, f0, f1, f2, **kwargs: setattr(self, "last_loss", f0))
-    trainer = make_trainer(tmp_out, learning_rate=1e-4, lr_scheduler_type="constant", **{**OUTER, "max_steps": 300})
+def train_noting_readings(trainer: HybridHFTrainer) -> list[int]:
+    """Train, and return the global steps at which the autopilot read its line."""
     read_at = []
 
     class Readings(TrainerCallback):
@@ -384,6 +381,15 @@ def test_readings_that_ask_for_nothing_come_less_often(tmp_out, monkeypatch):
 
     trainer.add_callback(Readings())
     trainer.train()
+    return read_at
+
+
+def test_readings_that_ask_for_nothing_come_less_often(tmp_out, monkeypatch):
+    """Every reading sees a short line: after the first two (no progress to compare yet, then nothing asked), the gap
+    between readings doubles up to its cap, so a tuned LR pays for few of them."""
+    monkeypatch.setattr(LrScale, "reading", lambda self, f0, f1, f2, **kwargs: setattr(self, "last_loss", f0))
+    trainer = make_trainer(tmp_out, learning_rate=1e-4, lr_scheduler_type="constant", **{**OUTER, "max_steps": 300})
+    read_at = train_noting_readings(trainer)
     gaps = [b - a for a, b in zip(read_at, read_at[1:])]
     assert gaps[:5] == [10, 20, 40, 80, 80], read_at
 
@@ -409,16 +415,7 @@ def run_with_readings_of(tmp_path, monkeypatch, reach: float, name: str) -> tupl
     first reading (step 11). Returns the trainer and the steps it read at."""
     monkeypatch.setattr("hf_hybrid.lr_scale.reach_of_line", lambda f0, f1, f2: reach / SPACING)
     trainer = make_trainer(tmp_path / name, learning_rate=1e-3, model=tiny_gpt2(dropout=0.1), **HELD)
-    read_at = []
-
-    class Readings(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            if trainer._lr_autopilot.last_line is not None:
-                read_at.append(state.global_step)
-
-    trainer.add_callback(Readings())
-    trainer.train()
-    return trainer, read_at
+    return trainer, train_noting_readings(trainer)
 
 
 def test_where_the_steps_are_long_enough_no_jump_is_tried_and_the_run_is_the_trainers(tmp_path, monkeypatch):
