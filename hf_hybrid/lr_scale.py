@@ -18,10 +18,10 @@ step (step_line.py): the weights W, W + c*step and W + 2c*step. Call their losse
 
 A raise is a trial. The scale is multiplied by what would put the line's bottom at TARGET_REACH steps (a steady
 reach: its median at STEADY_TARGET), at most MAX_RAISE at a time and MAX_SCALE in all, and the trainer takes an undo
-point. The next reading judges it: the raise
-is undone when the raised steps did worse, on the probe, than the point the old scale would have reached over the same
-batches (trial_verdict.py), and then everything goes back bit for bit (weights, optimizer state, schedule back to the
-undo point, the scale back to what it was), and the next raise waits 2, 4, ... readings; otherwise it is kept.
+point. The next reading judges it: the raise is undone when the raised steps did worse, on the probe, than the point
+the old scale would have reached over the same batches (trial_verdict.py), and then everything goes back bit for bit
+(weights, optimizer state, schedule back to the undo point, the scale back to what it was), and the next raise waits
+2, 4, ... readings; otherwise it is kept.
 A guard rollback (the weights were damaged) ends a trial and lowers a raised scale. The scale never goes below the
 user's LR: a run too fast for its data is the guard's to catch.
 The same reading holds the jumps back: a reach under TARGET_REACH says today's steps already go as far as the line
