@@ -154,5 +154,4 @@ class LrScale:
 
     def load_state_dict(self, state: dict) -> None:
         for f in fields(self):  # `last_reach` and `recent` are absent from checkpoints written before them
-            value = state.get(f.name, f.default)
-            setattr(self, f.name, tuple(value) if f.name == "recent" else value)
+            setattr(self, f.name, state.get(f.name, f.default))
