@@ -24,6 +24,8 @@ from collections import deque
 import torch
 from torch import nn
 
+from .rng import forked_rng
+
 NUM_FEATURES = 3
 
 
@@ -75,9 +77,8 @@ class LossDynamicsModel:
         self.raw: deque[list[float]] = deque(maxlen=window + 1)
         self.members = []
         for k in range(ensemble_size):
-            # Seeded per member, without touching the global RNG the Trainer checkpoints.
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(seed * 1009 + k)
+            # Seeded per member, without moving the Trainer's RNG.
+            with forked_rng(torch.device("cpu"), seed * 1009 + k):
                 self.members.append(_Member(hidden))
         params = [p for m in self.members for p in m.parameters()]
         self.optimizer = torch.optim.Adam(params, lr=1e-2)

@@ -8,16 +8,14 @@ trace in the training that follows.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 from transformers import Trainer
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-
-def forked_rng(device: torch.device) -> AbstractContextManager:
-    return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
+from .rng import forked_rng
 
 
 @contextmanager
@@ -25,8 +23,7 @@ def _paired_forward(trainer: Trainer, model: torch.nn.Module) -> Iterator[None]:
     """The same dropout masks every time (a fixed seed in a forked RNG), so that two forwards of one batch at two
     sets of weights are truly paired."""
     model.train()
-    with forked_rng(trainer.args.device), torch.no_grad(), trainer.compute_loss_context_manager():
-        torch.manual_seed(trainer.args.seed)
+    with forked_rng(trainer.args.device, trainer.args.seed), torch.no_grad(), trainer.compute_loss_context_manager():
         yield
 
 

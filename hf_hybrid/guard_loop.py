@@ -16,9 +16,9 @@ import torch
 from transformers.utils import logging
 
 from .divergence import non_finite
-from .forward_checks import forked_rng
 from .guard import Action, GuardEvent, StepGuard
 from .replay import move_unit
+from .rng import forked_rng
 from .snapshot import TrainingSnapshot, rng_state
 
 logger = logging.get_logger(__name__)
@@ -129,8 +129,7 @@ class GuardAtLoop:
         model.train()
         model.zero_grad()
         total = torch.zeros((), device=trainer.args.device)
-        with forked_rng(trainer.args.device):
-            torch.manual_seed(trainer.args.seed)
+        with forked_rng(trainer.args.device, trainer.args.seed):
             for inputs in self.reference:
                 with trainer.compute_loss_context_manager():
                     loss = trainer.compute_loss(model, trainer._prepare_inputs(inputs)) / len(self.reference)

@@ -100,7 +100,9 @@ def allocated_device_bytes() -> int:
 
 def test_device_memory_does_not_grow_over_many_predict_phases(tmp_out):
     recorder = CycleMemory(measure=allocated_device_bytes)
-    trainer = make_trainer(tmp_out, max_steps=300, logging_steps=1000, bf16=True, **ON_GPU)
+    # Without the autopilot: under bf16 on an H100 it raised the LR 4x and held every later jump, its readings saying
+    # the steps were long enough (30 predicted steps in 300), and this test needs the Predict phases.
+    trainer = make_trainer(tmp_out, max_steps=300, logging_steps=1000, bf16=True, hybrid_lr_autopilot=False, **ON_GPU)
     trainer.add_callback(recorder)
     recorder.trainer = trainer
     trainer.train()
@@ -108,9 +110,11 @@ def test_device_memory_does_not_grow_over_many_predict_phases(tmp_out):
     settled = recorder.samples[2:]
     assert len(settled) >= 20
     # The undo copy exists only while a jump is open (a cycle followed by another Predict phase holds it): the later
-    # cycles hold no more than the earlier ones.
+    # cycles hold no more than the earlier ones. The slack, as on the CPU (test_memory_growth.py), is for a cycle that
+    # ends off its usual step: on an H100 one such end held 2.5 KB more and the next was back at the earlier level
+    # (the ends without an undo copy read 120 KB less).
     half = len(settled) // 2
-    assert max(settled[half:]) <= max(settled[:half]), settled
+    assert max(settled[half:]) <= max(settled[:half]) + 64 * 1024, settled
 
 
 class StepEndMemory(TrainerCallback):

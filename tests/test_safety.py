@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 
 import pytest
 import torch
@@ -144,6 +145,30 @@ def test_probe_is_paired_under_dropout_and_leaves_training_rng_alone(tmp_out):
     second = probe_loss(trainer, trainer.model, batch)
     assert torch.equal(first, second)  # the same dropout masks: a paired comparison
     assert torch.equal(torch.rand(3), expected)
+
+
+def test_the_hybrid_never_reseeds_a_cuda_generator(tmp_out, monkeypatch):
+    """On a GPU, dropout draws from the device's generator, which a fork of the CPU's RNG does not restore: a seeding
+    from the hybrid's own code there moves the Trainer's masks. The loss forecast's seeding once did (through
+    `torch.manual_seed`), and a GPU run then differed from the Trainer's from its first step."""
+    reseeded_by = []
+
+    def spy(original):
+        def seeding(*args, **kwargs):
+            caller = sys._getframe(1)  # the first caller outside torch (`torch.manual_seed` calls this)
+            while caller.f_globals["__name__"].startswith("torch"):
+                caller = caller.f_back
+            if caller.f_globals["__name__"].startswith("hf_hybrid"):
+                reseeded_by.append(caller.f_globals["__name__"])
+            return original(*args, **kwargs)
+        return seeding
+
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", spy(torch.cuda.manual_seed_all))
+    monkeypatch.setattr(torch.cuda, "manual_seed", spy(torch.cuda.manual_seed))
+    trainer = make_trainer(tmp_out, model=tiny_gpt2(dropout=0.1), max_steps=60, hybrid_payoff_check=True)
+    trainer.train()
+    assert trainer.hybrid_stats()["predictions_judged"] >= 1  # the probe's paired forwards ran
+    assert reseeded_by == []
 
 
 class StopAt(TrainerCallback):
