@@ -1,6 +1,7 @@
 """The hybrid adds at most one device-to-host read to a real step: the rank-averaged loss and gradient norm that the
 engine and the guard decide on; and one more to a step that ends with a reading of the learning-rate autopilot (one
-in 10 to 80 real steps): its three probe losses. Counted by patching every way a tensor reaches the host."""
+in 10 to 80 real steps): its three probe losses, and on a learning-rate trial's verdict two more. Counted by patching
+every way a tensor reaches the host."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "cpu", "nump
 
 
 class ReadsPerStep(TrainerCallback):
-    """Host reads between one step's end and the next, with the step's phase (None for the plain Trainer) and whether
-    it ended with an autopilot reading."""
+    """Host reads between one step's end and the next, with the step's phase (None for the plain Trainer), whether
+    it ended with an autopilot reading, and whether a learning-rate raise was on trial at its end."""
 
     def __init__(self, counter: list[int]) -> None:
         self.counter, self.trainer, self.rows = counter, None, []
@@ -26,7 +27,8 @@ class ReadsPerStep(TrainerCallback):
         engine = getattr(self.trainer, "_hybrid", None)
         autopilot = getattr(self.trainer, "_lr_autopilot", None)
         reading = autopilot is not None and autopilot.last_line is not None
-        self.rows.append((engine.last_record.phase if engine is not None else None, self.counter[0], reading))
+        trial = autopilot is not None and autopilot.scale.on_trial
+        self.rows.append((engine.last_record.phase if engine is not None else None, self.counter[0], reading, trial))
         self.counter[0] = 0
 
 
@@ -56,16 +58,37 @@ def test_a_real_step_makes_at_most_one_host_read_more_than_the_trainers(tmp_path
     common = dict(max_steps=40, logging_steps=1000, max_grad_norm=1.0)
     plain_args = hybrid_args(tmp_path / "plain", **common)
     plain = Trainer(model=tiny_gpt2(), args=plain_args, train_dataset=token_dataset())
-    plain_reads = {n for _, n, _ in reads(plain, counter)}
+    plain_reads = {n for _, n, _, _ in reads(plain, counter)}
     # The library's defaults (outer predictor, guard) on a short schedule, so that jumps and snapshots happen.
     hybrid = make_trainer(tmp_path / "hybrid", hybrid_predictor="outer", hybrid_outer_period=5,
                           hybrid_guard_window=16, hybrid_guard_snapshot_steps=5, hybrid_payoff_check=True, **common)
     rows = reads(hybrid, counter)
-    real = [n for phase, n, reading in rows if phase is not Phase.PREDICT and not reading]
-    readings = [n for phase, n, reading in rows if reading]
+    real = [n for phase, n, reading, _ in rows if phase is not Phase.PREDICT and not reading]
+    readings = [n for phase, n, reading, _ in rows if reading]
     assert len(plain_reads) == 1 and len(real) > 20 and len(real) + len(readings) < len(rows)
     plain_count = plain_reads.pop()
     assert max(real) <= plain_count + 1, real
     # A reading: the library's one read of its three probe losses, and transformers' own read in each of its three
     # forwards (the packed-sequence check of the causal mask, which the Trainer's forward makes too).
     assert 1 <= len(readings) <= 4 and max(readings) <= plain_count + 2 + 3, readings
+
+
+def test_a_learning_rate_trial_adds_no_host_read_to_its_real_steps(tmp_path, counter, monkeypatch):
+    """A raise's trial: its real steps read no more than any real step, and the reading that judges it adds only its
+    verdict's forwards."""
+    # Every reading that reads a line at all, with the loss falling, asks for the largest raise.
+    monkeypatch.setattr("hf_hybrid.lr_scale.RAISE_REACH", 0.0)
+    monkeypatch.setattr("hf_hybrid.lr_scale.TARGET_REACH", 1e-6)
+    common = dict(max_steps=60, logging_steps=1000, max_grad_norm=1.0, learning_rate=3e-4)
+    plain = Trainer(model=tiny_gpt2(), args=hybrid_args(tmp_path / "plain", **common), train_dataset=token_dataset())
+    plain_count = max(n for _, n, _, _ in reads(plain, counter))
+    hybrid = make_trainer(tmp_path / "hybrid", hybrid_predictor="outer", hybrid_outer_period=5, **common)
+    rows = reads(hybrid, counter)
+    stats = hybrid.hybrid_stats()
+    assert stats["lr_raises_kept"] + stats["lr_trials_undone"] >= 1, stats
+    on_trial = [n for phase, n, reading, trial in rows if trial and not reading and phase is not Phase.PREDICT]
+    assert on_trial and max(on_trial) <= plain_count + 1, on_trial
+    verdicts = [n for (_, _, _, before), (_, n, reading, _) in zip(rows, rows[1:]) if before and reading]
+    # A reading's own (see above), then the verdict's: transformers' read in each of its two forwards (at the raised
+    # weights and where the user's LR would have taken them), the library's read of the gain and one of its noise.
+    assert verdicts and max(verdicts) <= plain_count + 2 + 3 + 2 + 2, verdicts
