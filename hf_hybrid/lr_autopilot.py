@@ -178,6 +178,10 @@ class LrAutopilot:
                     f"({tried}); pass --learning_rate {self.learning_rate:.2g} next time.")
         if s.trials_undone:
             return f"hf_hybrid: the learning rate {user:.2g} was kept: {tried}."
+        if s.readings:  # all it did was read, and a reading costs about a training step: say what that cost
+            return (f"hf_hybrid: the learning rate {user:.2g} was kept; the autopilot's {s.readings} readings cost "
+                    f"about {s.readings} training steps of compute (three forwards each); --hybrid_lr_autopilot "
+                    f"false skips them where the learning rate is known to be right.")
         return None
 
     def log_metrics(self) -> dict[str, float]:

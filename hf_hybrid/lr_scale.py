@@ -69,6 +69,7 @@ class LrScale:
     raises_kept: int = 0
     trials_undone: int = 0
     lowered: int = 0
+    readings: int = 0  # each ran three probe forwards: about one training step's compute
     last_reach: float | None = None  # the last reading's, at the schedule's peak
     recent: tuple[float, ...] = ()  # the last readings' reaches where a raise may start, at today's scale
 
@@ -78,6 +79,7 @@ class LrScale:
         final decay); `trial_paid`: on a trial, the verdict on the raise. Returns what the trainer must do: "raise",
         "keep" (a trial passed; the scale may have risen again), "undo" (restore the undo point: the scale is already
         back), or None."""
+        self.readings += 1
         rate = (self.last_loss - f0) / steps if self.last_loss is not None and steps > 0 else None
         self.last_loss = f0
         if rate is not None and not math.isfinite(rate):
@@ -147,11 +149,11 @@ class LrScale:
         """For `hybrid_stats()`; a fresh scale's (1.0, nothing tried) when the autopilot is off, so that the keys never
         depend on the flags."""
         return {"lr_scale": self.scale, "lr_raises_kept": self.raises_kept, "lr_trials_undone": self.trials_undone,
-                "lr_lowered": self.lowered}
+                "lr_lowered": self.lowered, "lr_readings": self.readings}
 
     def state_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     def load_state_dict(self, state: dict) -> None:
-        for f in fields(self):  # `last_reach` and `recent` are absent from checkpoints written before them
+        for f in fields(self):  # `readings`, `last_reach` and `recent` are absent from checkpoints written before them
             setattr(self, f.name, state.get(f.name, f.default))

@@ -418,14 +418,18 @@ def run_with_readings_of(tmp_path, monkeypatch, reach: float, name: str) -> tupl
     return trainer, train_noting_readings(trainer)
 
 
-def test_where_the_steps_are_long_enough_no_jump_is_tried_and_the_run_is_the_trainers(tmp_path, monkeypatch):
+def test_where_the_steps_are_long_enough_no_jump_is_tried_and_the_run_is_the_trainers(tmp_path, monkeypatch, caplog):
     """A line under a step at every reading, as tuned runs read: no raise, no jump, the Trainer bit for bit; and
-    since each reading reads a line, they keep coming every 10 steps (a steady reach could be building)."""
-    held, read_at = run_with_readings_of(tmp_path, monkeypatch, reach=0.8, name="held")
+    since each reading reads a line, they keep coming every 10 steps (a steady reach could be building). The end line
+    says what the readings cost."""
+    with caplog.at_level(logging.WARNING):
+        held, read_at = run_with_readings_of(tmp_path, monkeypatch, reach=0.8, name="held")
     stats = held.hybrid_stats()
     assert stats["predictions_judged"] == 0 and stats["predict_steps"] == 0 and stats["turns_passed"] >= 10
     assert held._lr_autopilot.scale.scale == 1.0
     assert read_at == list(range(11, 80, 10))
+    assert stats["lr_readings"] == len(read_at)
+    assert f"was kept; the autopilot's {len(read_at)} readings cost about {len(read_at)} training steps" in caplog.text
     plain = make_trainer(tmp_path / "plain", learning_rate=1e-3, model=tiny_gpt2(dropout=0.1), hybrid=False, **HELD)
     plain.train()
     assert_bit_identical(state(plain.model), state(held.model))
