@@ -179,6 +179,8 @@ def arm_main(spec_json: str) -> None:
     preset = dict(PRESETS[spec["preset"]])
     if spec["max_steps"]:
         preset["max_steps"] = spec["max_steps"]
+    if spec["grad_accum"]:
+        preset["grad_accum"] = spec["grad_accum"]
     if spec["eval_at_end"]:
         preset["eval_steps"] = preset["max_steps"]
     if spec["learning_rate"]:

@@ -37,7 +37,8 @@ def launch(arm: str, args, out_dir: Path, target: float | None, overrides: dict,
     # On a GPU, timing the hybrid's hooks synchronizes the device around each one, which the Trainer arm does not pay:
     # only the overhead mode, whose point is that share, times them there.
     spec = dict(arm=arm, preset=args.preset, seed=args.seed, budget=args.hybrid_budget, target=target,
-                overrides=overrides, out_dir=str(out_dir), max_steps=args.max_steps, eval_at_end=eval_at_end,
+                overrides=overrides, out_dir=str(out_dir), max_steps=args.max_steps, grad_accum=args.grad_accum,
+                eval_at_end=eval_at_end,
                 learning_rate=learning_rate or args.learning_rate, hook_clock_on_gpu=args.mode == "overhead",
                 full_determinism=args.full_determinism)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -79,6 +80,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="baseline/hybrid pairs, run alternately")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max_steps", type=int, default=0, help="override the preset's baseline steps")
+    parser.add_argument("--grad_accum", type=int, default=0,
+                        help="override the preset's gradient accumulation (not in the faults mode): larger steps, "
+                             "against which the hybrid's per-step costs are measured (the autopilot's probe stays "
+                             "one micro-batch)")
     parser.add_argument("--hybrid_budget", type=float, default=1.5,
                         help="the hybrid may run this many times the baseline's steps to reach the target")
     parser.add_argument("--set", nargs="*", default=[], metavar="FLAG=VALUE",
@@ -109,6 +114,8 @@ def main() -> None:
     root = Path(args.output_dir) / f"{args.preset}-{args.mode}"
     if args.mode == "sweep":
         return sweep(args, root)
+    settings = {**PRESETS[args.preset], **{k: v for k, v in (("max_steps", args.max_steps),
+                                                              ("grad_accum", args.grad_accum)) if v}}
     swept_lr = PRESETS[args.preset]["learning_rate"]
     lr = args.learning_rate or swept_lr * args.lr_scale
     sf_swept_lr = args.sf_learning_rate or PRESETS[args.preset].get("sf_learning_rate", swept_lr)
@@ -136,7 +143,7 @@ def main() -> None:
     # in the last digits (non-deterministic kernels), so one pair's target is not another's.
     targets = [b.evals[-1][2] for b in baselines]
     report = {"preset": args.preset, "mode": args.mode, "repeats": args.repeats, "target_eval_loss": targets[0],
-              "targets": targets, "overrides": overrides, "preset_settings": PRESETS[args.preset],
+              "targets": targets, "overrides": overrides, "preset_settings": settings,
               "learning_rate": lr, "lr_scale": args.lr_scale, "swept_learning_rate": swept_lr,
               "baseline": [summarize(b, t) for b, t in zip(baselines, targets)],
               "hybrid": [summarize(h, t) for h, t in zip(hybrids, targets)]}

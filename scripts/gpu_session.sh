@@ -33,11 +33,12 @@ torch.cuda.is_available())"
 
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
-# The parts to run, in this order. On an H100 (session 24, runs 180-185) tests took 174 s, exact 67-79 s, overhead
-# 59 s and ab 104 s; faults took about 180 s on an H200 (run 126). Session 24 left open: where the hybrid's time goes
-# in a default run (ab and overhead, attributed step by step from work.tgz), and test_cuda.py's memory test with the
-# slack it now has.
-PARTS=${PARTS:-tests ab overhead}
+# The parts to run, in this order: tests exact ab overhead overhead_ga faults. On an H100 (session 24, runs 180-185)
+# tests took 174 s, exact 67-79 s, overhead 59 s and ab 104 s; faults took about 180 s on an H200 (run 126);
+# overhead_ga has not run (about 150 s by count). Session 24 left open: where the hybrid's time goes in a default run
+# (ab, attributed step by step from work.tgz: the readings, `lr_readings`, are the first suspect), its share of a
+# larger step (overhead_ga), and test_cuda.py's memory test with the slack it now has.
+PARTS=${PARTS:-tests ab overhead_ga}
 part() {  # part NAME SECONDS COMMAND...: runs COMMAND with a limit, its log in $OUT/NAME.log
   local name=$1 limit=$2 start rc
   shift 2
@@ -58,6 +59,10 @@ part exact "${T_EXACT:-150}" $PY scripts/benchmark.py --preset "$PRESET" --repea
 part ab "${T_AB:-170}" $PY scripts/benchmark.py --preset "$PRESET" --repeats 1 --seed 0 --output_dir "$WORK/ab"
 part overhead "${T_OVERHEAD:-75}" $PY scripts/benchmark.py --preset "$PRESET" --mode overhead --repeats 1 \
   --max_steps "${OVERHEAD_STEPS:-200}" --output_dir "$WORK/overhead"
+# The same at 8 micro-batches a step (32K tokens, nearer what a GPU run trains on): the hooks' and snapshot copies'
+# share of a larger step, with the autopilot's probe still one micro-batch.
+part overhead_ga "${T_OVERHEAD_GA:-200}" $PY scripts/benchmark.py --preset "$PRESET" --mode overhead --repeats 1 \
+  --max_steps "${OVERHEAD_STEPS:-200}" --grad_accum 8 --output_dir "$WORK/overhead_ga"
 part faults "${T_FAULTS:-180}" $PY scripts/benchmark.py --preset "$PRESET" --mode faults --full_determinism \
   --max_steps "${FAULT_STEPS:-300}" --output_dir "$WORK/faults"
 # The parts' reports, each arm's per-step seconds and phases (arm_result.json) and the hybrid's step traces, in one

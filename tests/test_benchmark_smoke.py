@@ -76,3 +76,15 @@ def test_a_hybrid_that_never_predicts_is_reported_equal_to_the_trainer_bit_for_b
     assert evaluations >= 2 and report["equal_evals"] == [[evaluations, evaluations]]
     assert report["update_speedups"] == [1.0]
     assert f"bit for bit: {evaluations} of {evaluations}" in done.stdout
+
+
+def test_the_overhead_mode_runs_both_arms_the_same_larger_steps(tmp_path):
+    done = run("--mode", "overhead", "--repeats", "1", "--grad_accum", "2", "--max_steps", "8", "--output_dir",
+               str(tmp_path))
+    root = tmp_path / "smoke-overhead"
+    report = json.loads((root / "report.json").read_text())
+    assert report["preset_settings"]["grad_accum"] == 2 and report["preset_settings"]["max_steps"] == 8
+    for arm in ("baseline", "hybrid"):
+        result = json.loads((root / f"{arm}-0" / "arm_result.json").read_text())
+        assert result["steps"] == 8 and result["tokens"] == 8 * 4 * 2 * 32  # steps x batch x accumulation x block
+    assert len(report["step_time_ratios"]) == 1 and "median real-step time" in done.stdout
