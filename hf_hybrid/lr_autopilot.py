@@ -33,6 +33,11 @@ logger = logging.get_logger(__name__)
 # gap, up to MAX_READ_EVERY: at a tuned LR, where most lines read 0, the readings cost about 1% of the run.
 READ_EVERY = 10
 MAX_READ_EVERY = 80
+# No raise starts in the first steps after the schedule's warmup either: a run from scratch is still in its first
+# descent there, which reads long at any LR. On cpu-small (20 warmup steps) at its own LR the line read 8.2-8.6 steps
+# at step 20 and 4.3-5.3 at 25, then 0-1.9 from step 30 (seeds 0-2); a raise at step 21 ended that run 0.28 above the
+# Trainer (docs/benchmarks.md, runs 188-189).
+FIRST_DESCENT_STEPS = 10
 
 
 def scalable_schedule(trainer) -> bool:
@@ -90,24 +95,25 @@ class LrAutopilot:
         scheduler = self._scheduler
         return min(f(scheduler.last_epoch) for f in scheduler.lr_lambdas)
 
-    def _warmup_steps(self) -> int:
-        return self.trainer.args.get_warmup_steps(self.trainer.state.max_steps)
+    def _raise_from(self) -> int:
+        """The first step at which a raise may start: past the schedule's warmup and the first descent's last steps."""
+        return self.trainer.args.get_warmup_steps(self.trainer.state.max_steps) + FIRST_DESCENT_STEPS
 
     def _frozen(self) -> bool:
-        """No raise starts in the schedule's warmup, where a run's first descent reads as a line tens of steps long at
-        any LR (measured on cpu-long at a fifth of the swept LR: 78 and 189 steps at steps 21 and 31, which raised it
-        to twice the swept LR and ended 0.06 above the Trainer), nor in its final decay (below half its peak)."""
-        step = self._scheduler.last_epoch
-        return step <= self._warmup_steps() or self._schedule_factor() < 0.5
+        """No raise starts before `_raise_from`, where a run's first descent reads as a line tens of steps long at any
+        LR (measured on cpu-long at a fifth of the swept LR: 78 and 189 steps at steps 21 and 31, which raised it to
+        twice the swept LR and ended 0.06 above the Trainer), nor in the schedule's final decay (below half its
+        peak)."""
+        return self._scheduler.last_epoch < self._raise_from() or self._schedule_factor() < 0.5
 
     def _wants_reading(self, step: int, real_step: bool) -> bool:
         engine = self.trainer._hybrid
         due = step - self.last_reading >= self.read_every and self.probe is not None
         idle = real_step and not engine.snapshot.valid  # the jump's undo buffer is free
-        # One reading before the warmup ends, so that the first one after it has a rate and can raise.
-        warmup = self._warmup_steps()
-        warmup_ending = warmup - READ_EVERY <= self._scheduler.last_epoch <= warmup
-        useful = self.scale.on_trial or not self._frozen() or warmup_ending
+        # One reading before raises may start, so that the first one after it has a rate and can raise.
+        start = self._raise_from()
+        freeze_ending = start - READ_EVERY <= self._scheduler.last_epoch < start
+        useful = self.scale.on_trial or not self._frozen() or freeze_ending
         return due and idle and self.scale.wants_readings and useful
 
     def end_step(self, step: int, real_step: bool, guard_action: str | None) -> None:

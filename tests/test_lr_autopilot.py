@@ -436,3 +436,22 @@ def test_where_the_steps_are_long_enough_no_jump_is_tried_and_the_run_is_the_tra
     monkeypatch.setattr("hf_hybrid.lr_scale.STEADY_REACH", math.inf)  # a longer line, but no raise
     tried, _ = run_with_readings_of(tmp_path, monkeypatch, reach=3.0, name="tried")
     assert tried.hybrid_stats()["predictions_judged"] > 0 and tried.hybrid_stats()["turns_passed"] == 0
+
+
+def test_no_raise_starts_in_the_first_descent_just_after_the_warmup(tmp_out, monkeypatch):
+    """A run from scratch still falls steeply for a few steps after a short warmup, where its line reads long at any
+    LR (cpu-small at its own LR: 8 steps at step 20, a raise there ended 0.28 above the Trainer). Every line reads
+    10 steps here: the reading as a 20-step warmup ends only gives the next one its rate; that one may raise."""
+    monkeypatch.setattr("hf_hybrid.lr_scale.reach_of_line", lambda f0, f1, f2: 10.0 / SPACING)
+    trainer = make_trainer(tmp_out, learning_rate=1e-4, warmup_steps=20, lr_scheduler_type="constant_with_warmup",
+                           **{**OUTER, "max_steps": 40})
+    scales = []
+
+    class Scale(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            scales.append(trainer._lr_autopilot.scale.scale)
+
+    trainer.add_callback(Scale())
+    read_at = train_noting_readings(trainer)
+    assert read_at[:2] == [20, 30], read_at
+    assert scales[28] == 1.0 and scales[29] > 1.0, scales  # raised at step 30, not before
