@@ -28,11 +28,11 @@ from .trial_verdict import raise_gain
 logger = logging.get_logger(__name__)
 
 # Real steps between two readings while a raise is asked for, judged or building up (a steady reach takes several
-# readings that read a line): early enough to raise in the first tens of steps, where a too-small LR costs the most.
-# A reading costs three forwards (a step's worth of compute), so one that asks for nothing and reads no line doubles the
-# gap, up to MAX_READ_EVERY: at the CPU regimes' swept LRs, where most lines read 0, the readings cost 1-2% of the run.
-# Where lines read short but above 0 (GPT-2 124M from scratch on a GPU, by its forward clock), they keep coming every 10
-# steps, 6-8% of the run (docs/benchmarks.md, runs 184-185); the end line says what they cost.
+# readings of a step or more): early enough to raise in the first tens of steps, where a too-small LR costs the most.
+# A reading costs three forwards (a step's worth of compute), so one that asks for nothing and leaves no steady reach
+# within reach doubles the gap, up to MAX_READ_EVERY. Lines of 0-1 steps (tuned runs) count as no line: GPT-2 124M from
+# scratch on a GPU, which never raised, kept a reading every 10-13 steps, 6-8% of the run, while such lines kept the
+# gap at 10 (docs/benchmarks.md, runs 184-185). The end line says what the readings cost.
 READ_EVERY = 10
 MAX_READ_EVERY = 80
 # No raise starts in the first steps after the schedule's warmup either: a run from scratch is still in its first

@@ -111,9 +111,10 @@ class LrScale:
 
     @property
     def evidence_building(self) -> bool:
-        """Whether the last reading that counts towards a steady reach read a line at all: the next one should come
-        soon, since a steady reach takes STEADY_READINGS of them."""
-        return bool(self.recent) and self.recent[-1] > 0
+        """Whether the next reading could complete a steady reach, so it should come soon: a median of three at
+        STEADY_REACH or more needs two of them there, so one of the last two must be. Readings that read a line
+        shorter than that (0-1 steps, as tuned runs read) are no more evidence than readings of 0."""
+        return any(reach >= STEADY_REACH for reach in self.recent[-(STEADY_READINGS - 1):])
 
     @property
     def wants_readings(self) -> bool:

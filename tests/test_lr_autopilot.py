@@ -394,6 +394,17 @@ def test_readings_that_ask_for_nothing_come_less_often(tmp_out, monkeypatch):
     assert gaps[:5] == [10, 20, 40, 80, 80], read_at
 
 
+def test_readings_keep_coming_soon_only_while_a_steady_reach_could_complete():
+    """A median of three at a step or more needs two readings there: the next reading is worth having soon only while
+    one of the last two reached a step. Lines under a step, as tuned runs read, are no more evidence than none."""
+    s = LrScale()
+    building = []
+    for i, bottom in enumerate((0.8, 0.5, 1.2, 0.3, 0.0, 0.9, 0.0)):
+        read(s, 5.0 - i / 10, bottom=bottom)
+        building.append(s.evidence_building)
+    assert s.scale == 1.0 and building == [False, False, True, True, False, False, False]
+
+
 def test_a_short_line_holds_the_jumps_back_and_a_longer_one_lets_them_through():
     s = LrScale()
     assert not s.steps_long_enough  # no reading yet: no evidence either way
@@ -420,14 +431,14 @@ def run_with_readings_of(tmp_path, monkeypatch, reach: float, name: str) -> tupl
 
 def test_where_the_steps_are_long_enough_no_jump_is_tried_and_the_run_is_the_trainers(tmp_path, monkeypatch, caplog):
     """A line under a step at every reading, as tuned runs read: no raise, no jump, the Trainer bit for bit; and
-    since each reading reads a line, they keep coming every 10 steps (a steady reach could be building). The end line
+    since no steady reach can build from such lines, the readings come less often, as readings of 0 do. The end line
     says what the readings cost."""
     with caplog.at_level(logging.WARNING):
         held, read_at = run_with_readings_of(tmp_path, monkeypatch, reach=0.8, name="held")
     stats = held.hybrid_stats()
     assert stats["predictions_judged"] == 0 and stats["predict_steps"] == 0 and stats["turns_passed"] >= 10
     assert held._lr_autopilot.scale.scale == 1.0
-    assert read_at == list(range(11, 80, 10))
+    assert read_at == [11, 21, 41], read_at
     assert stats["lr_readings"] == len(read_at)
     assert f"was kept; the autopilot's {len(read_at)} readings cost about {len(read_at)} training steps" in caplog.text
     plain = make_trainer(tmp_path / "plain", learning_rate=1e-3, model=tiny_gpt2(dropout=0.1), hybrid=False, **HELD)
