@@ -128,9 +128,8 @@ class LrAutopilot:
         if guard_action == "rollback":
             scale.weights_damaged()
         elif self._wants_reading(step, real_step):
-            trainer = self.trainer
             had_rate = scale.last_loss is not None  # a first reading, or one after a rollback, asks for nothing yet
-            line = trainer._hybrid_reduce(*next_step_line(trainer, trainer.model_wrapped, trainer._hybrid, self.probe))
+            line = self._read_line()
             self.last_line = tuple(line)
             decision = scale.reading(*line, spacing=SPACING, steps=step - self.last_reading,
                                      schedule_factor=self._schedule_factor(), frozen=self._frozen(),
@@ -147,6 +146,11 @@ class LrAutopilot:
         if not scale.on_trial:
             replay.end_trial()
         self.guard_loop.snapshot_held = scale.on_trial
+
+    def _read_line(self) -> list[float]:
+        """The probe's loss along the optimizer's next step, averaged across ranks (step_line.py)."""
+        trainer = self.trainer
+        return trainer._hybrid_reduce(*next_step_line(trainer, trainer.model_wrapped, trainer._hybrid, self.probe))
 
     def _raise_paid(self) -> bool:
         """The verdict on the raise under trial (trial_verdict.py): undone when its steps did worse than the user's LR

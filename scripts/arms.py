@@ -81,7 +81,14 @@ def averaged(trainer_cls: type, average: WeightAverage) -> type:
 def run_arm(arm: str, preset: dict, out_dir: Path, seed: int, hybrid_overrides: dict, budget: float,
             target: float | None, hook_clock_on_gpu: bool) -> ArmResult:
     import torch
-    from timing import TrainingClock, add_optimizer_clock, spent_updates, time_hybrid_hooks, timed_trainer
+    from timing import (
+        TrainingClock,
+        add_optimizer_clock,
+        spent_updates,
+        time_hybrid_hooks,
+        time_lr_readings,
+        timed_trainer,
+    )
     from transformers import Trainer, TrainerCallback, TrainingArguments
     from transformers.trainer_callback import PrinterCallback
 
@@ -124,6 +131,7 @@ def run_arm(arm: str, preset: dict, out_dir: Path, seed: int, hybrid_overrides: 
     if hybrid:
         if hook_clock_on_gpu or not cuda:
             time_hybrid_hooks(result, cuda)
+        time_lr_readings(result, cuda)
         trainer_cls = timed_trainer(HybridHFTrainer, "TimedHybrid", result, cuda)
         # Its evaluations come on the library's counted steps: after as many of the Trainer's updates as the
         # baseline's, and so at the same place in the dropout RNG (hf_hybrid/step_veto.py).

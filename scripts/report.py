@@ -164,6 +164,10 @@ def print_table(report: dict) -> None:
         guard_seconds = hybrid_timing.get("guard", 0.0)
         print(f"guard time (verdicts and snapshots): {guard_seconds:.2f}s = "
               f"{100 * guard_seconds / real_seconds:.2f}% of real-step time")
+    if "lr_readings" in hybrid_timing:
+        train_seconds = report["hybrid"][0]["train_seconds"]
+        print(f"lr autopilot readings and verdicts: {hybrid_timing['lr_readings']:.2f}s = "
+              f"{100 * hybrid_timing['lr_readings'] / train_seconds:.2f}% of training time")
     print("hybrid seconds per phase: " + ", ".join(
         f"{k} {v:.1f}" for k, v in report["hybrid"][0]["seconds_per_phase"].items()))
     if report["mode"] == "memory":
