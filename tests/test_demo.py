@@ -33,3 +33,16 @@ def test_demo_ends_on_one_summary_screen(tmp_path):
         assert str(tmp_path / path) in screen and (tmp_path / path).stat().st_size > 0
     # Quiet: no progress bars and no transformers notices, only the demo's own lines and hf_hybrid's.
     assert "Tokenizing" not in done.stdout + done.stderr and "loss_type" not in done.stdout + done.stderr
+
+
+def test_the_speed_arm_stops_at_its_first_evaluation_at_the_target(tmp_path):
+    """The time to the Trainer's final loss is the demo's result; the hybrid's steps after it only make the user wait
+    (the smoke run above reaches the target at its last evaluation, so it cannot show this)."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    from demo import speed_arm
+    from presets import PRESETS
+
+    preset = PRESETS["smoke"]
+    arm = speed_arm("hybrid", preset, preset["learning_rate"], 0, tmp_path, progress=print, target=float("inf"))
+    assert preset["eval_steps"] < preset["max_steps"]
+    assert [e[0] for e in arm["evals"]] == [preset["eval_steps"]]
