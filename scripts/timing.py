@@ -142,8 +142,9 @@ def _timed(method, result, key_of, cuda: bool):
 
 def time_lr_readings(result, cuda: bool) -> None:
     """Seconds spent in the learning-rate autopilot's readings and trial verdicts (its probe forwards and weight
-    copies), under `result.timing["lr_readings"]`. They come every 10-80 steps and read their losses on the host
-    anyway, so the two clock waits each adds leave the run's own timing alone, on a GPU too."""
+    copies), under `result.timing["lr_readings"]`; their forwards are in the forward clock too. They come every 10-80
+    steps and read their losses on the host anyway, so the two clock waits each adds leave the run's own timing
+    alone, on a GPU too."""
     from hf_hybrid.lr_autopilot import LrAutopilot
 
     def readings(method):
