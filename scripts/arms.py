@@ -86,7 +86,6 @@ def run_arm(arm: str, preset: dict, out_dir: Path, seed: int, hybrid_overrides: 
         add_optimizer_clock,
         spent_updates,
         time_hybrid_hooks,
-        time_lr_readings,
         timed_trainer,
     )
     from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -131,7 +130,6 @@ def run_arm(arm: str, preset: dict, out_dir: Path, seed: int, hybrid_overrides: 
     if hybrid:
         if hook_clock_on_gpu or not cuda:
             time_hybrid_hooks(result, cuda)
-        time_lr_readings(result, cuda)
         trainer_cls = timed_trainer(HybridHFTrainer, "TimedHybrid", result, cuda)
         # Its evaluations come on the library's counted steps: after as many of the Trainer's updates as the
         # baseline's, and so at the same place in the dropout RNG (hf_hybrid/step_veto.py).
@@ -164,6 +162,9 @@ def run_arm(arm: str, preset: dict, out_dir: Path, seed: int, hybrid_overrides: 
     result.n_params = sum(p.numel() for p in model.parameters())
     result.cuda = cuda
     result.train_seconds = clock.train_seconds
+    autopilot = getattr(trainer, "_lr_autopilot", None)
+    if autopilot is not None:  # the library's own clock on its readings (a device wait on either side of each)
+        result.timing["lr_readings"] = autopilot.reading_seconds
     result.tokens = result.steps * preset["batch_size"] * preset["grad_accum"] * preset["block_size"]
     if not result.evals or result.evals[-1][0] != result.steps:
         metrics = trainer.evaluate()

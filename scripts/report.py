@@ -147,9 +147,8 @@ def print_table(report: dict) -> None:
         print(f"backward reduction: {stats['backward_reduction']:.3f}, rollbacks: {stats['rollbacks']}, "
               f"divergences: {stats['divergences']}, turns to jump passed: {stats.get('turns_passed', 0)}")
         print(f"guard: {stats.get('guard_outliers', 0)} steps flagged, {stats.get('guard_rollbacks', 0)} rollbacks")
-        print(f"lr autopilot: scale {stats.get('lr_scale', 1.0):g}, {stats.get('lr_readings', 0)} readings (about a "
-              f"step's compute each), {stats.get('lr_raises_kept', 0)} raises kept, "
-              f"{stats.get('lr_trials_undone', 0)} undone")
+        print(f"lr autopilot: scale {stats.get('lr_scale', 1.0):g}, {stats.get('lr_readings', 0)} readings, "
+              f"{stats.get('lr_raises_kept', 0)} raises kept, {stats.get('lr_trials_undone', 0)} undone")
     timing = report["baseline"][0]["timing"]
     if timing:
         print("baseline split (s): " + ", ".join(f"{k} {v:.1f}" for k, v in timing.items()))
@@ -166,7 +165,7 @@ def print_table(report: dict) -> None:
               f"{100 * guard_seconds / real_seconds:.2f}% of real-step time")
     if "lr_readings" in hybrid_timing:
         train_seconds = report["hybrid"][0]["train_seconds"]
-        print(f"lr autopilot readings and verdicts: {hybrid_timing['lr_readings']:.2f}s = "
+        print(f"lr autopilot readings, verdicts and undos: {hybrid_timing['lr_readings']:.2f}s = "
               f"{100 * hybrid_timing['lr_readings'] / train_seconds:.2f}% of training time")
     print("hybrid seconds per phase: " + ", ".join(
         f"{k} {v:.1f}" for k, v in report["hybrid"][0]["seconds_per_phase"].items()))

@@ -140,20 +140,6 @@ def _timed(method, result, key_of, cuda: bool):
     return wrapper
 
 
-def time_lr_readings(result, cuda: bool) -> None:
-    """Seconds spent in the learning-rate autopilot's readings and trial verdicts (its probe forwards and weight
-    copies), under `result.timing["lr_readings"]`; their forwards are in the forward clock too. They come every 10-80
-    steps and read their losses on the host anyway, so the two clock waits each adds leave the run's own timing
-    alone, on a GPU too."""
-    from hf_hybrid.lr_autopilot import LrAutopilot
-
-    def readings(method):
-        return _timed(method, result, lambda autopilot: "lr_readings", cuda)
-
-    LrAutopilot._read_line = readings(LrAutopilot._read_line)
-    LrAutopilot._raise_paid = readings(LrAutopilot._raise_paid)
-
-
 def time_hybrid_hooks(result, cuda: bool) -> None:
     """Seconds spent in the engine's per-step work, split by real and predicted steps: the hybrid's overhead,
     measured inside one run rather than as a difference of two noisy runs. On a predicted step it includes
