@@ -85,6 +85,6 @@ PRESETS["demo"] = dict(
 DEMO_SWEPT_REPORT = "docs/demo-speed-swept-lr.json"  # the demo's speed A/B at the swept LR, quoted on its screen
 # Full fine-tuning below the swept LR, with the autopilot: too long to run in the demo (its checkpoint takes 6 minutes
 # to make).
-DEMO_RECORDED_REGIME = ("docs/benchmarks.md, runs 154-157, 165-167 and 193-195", "full fine-tuning (cpu-finetune) at "
+DEMO_RECORDED_REGIME = ("docs/benchmarks.md, runs 201-206 and 217-219", "full fine-tuning (cpu-finetune) at "
                         "6e-4, a fifth of the swept 3e-3: the autopilot raised it 4x; 2.56x median in updates over 3 "
-                        "seeds; at a twentieth, 5.38x; LoRA at a fifth, 1.94x")
+                        "seeds; at a twentieth, 5.05x; LoRA at a fifth, 2.01x")
