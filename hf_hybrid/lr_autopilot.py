@@ -31,7 +31,7 @@ logger = logging.get_logger(__name__)
 
 # Real steps between two readings while a raise is asked for, judged or building up (a steady reach takes several
 # readings of a step or more): early enough to raise in the first tens of steps, where a too-small LR costs the most.
-# A reading costs three forwards (a step's worth of compute), so one that asks for nothing and leaves no steady reach
+# A reading costs three forwards (1.2-2.7 steps on a CPU), so one that asks for nothing and leaves no steady reach
 # within reach doubles the gap, up to MAX_READ_EVERY. Lines of 0-1 steps (tuned runs) count as no line: GPT-2 124M from
 # scratch on a GPU, which never raised, kept a reading every 10-13 steps, 6-8% of the run, while such lines kept the
 # gap at 10 (docs/benchmarks.md, runs 184-185). The end line says what the readings cost.

@@ -81,13 +81,7 @@ def averaged(trainer_cls: type, average: WeightAverage) -> type:
 def run_arm(arm: str, preset: dict, out_dir: Path, seed: int, hybrid_overrides: dict, budget: float,
             target: float | None, hook_clock_on_gpu: bool) -> ArmResult:
     import torch
-    from timing import (
-        TrainingClock,
-        add_optimizer_clock,
-        spent_updates,
-        time_hybrid_hooks,
-        timed_trainer,
-    )
+    from timing import TrainingClock, add_optimizer_clock, spent_updates, time_hybrid_hooks, timed_trainer
     from transformers import Trainer, TrainerCallback, TrainingArguments
     from transformers.trainer_callback import PrinterCallback
 

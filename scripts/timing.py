@@ -125,21 +125,6 @@ def add_optimizer_clock(trainer, result, cuda: bool) -> None:
     trainer.callback_handler.callbacks.insert(0, OptimizerClockStop(start, result))
 
 
-def _timed(method, result, key_of, cuda: bool):
-    """`method`, adding its seconds to `result.timing[key_of(self)]`; on a GPU the clock waits for the queued kernels
-    on either side."""
-
-    @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
-        t = tick(cuda)
-        out = method(self, *args, **kwargs)
-        key = key_of(self)
-        result.timing[key] = result.timing.get(key, 0.0) + tick(cuda) - t
-        return out
-
-    return wrapper
-
-
 def time_hybrid_hooks(result, cuda: bool) -> None:
     """Seconds spent in the engine's per-step work, split by real and predicted steps: the hybrid's overhead,
     measured inside one run rather than as a difference of two noisy runs. On a predicted step it includes
@@ -148,7 +133,19 @@ def time_hybrid_hooks(result, cuda: bool) -> None:
     from hf_hybrid.guard_loop import GuardAtLoop
 
     def timed(method, key_of):
-        return _timed(method, result, key_of, cuda)
+        @functools.wraps(method)
+        def wrapper(self, *args, **kwargs):
+            if cuda:
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            out = method(self, *args, **kwargs)
+            if cuda:
+                torch.cuda.synchronize()
+            key = key_of(self)
+            result.timing[key] = result.timing.get(key, 0.0) + time.perf_counter() - t
+            return out
+
+        return wrapper
 
     def engine_key(engine) -> str:
         record = engine.record if engine.record is not None else engine.last_record
