@@ -70,9 +70,8 @@ class LrAutopilot:
             device = trainer.args.device
             self.probe = {k: v.to(device) for k, v in saved["probe"].items()} if saved["probe"] is not None else None
         self.guard_loop.snapshot_held = self.scale.on_trial
-        # What the readings cost this process, for the end line: measured, since a reading's three forwards weigh a
-        # different share of a step in each setting (about 1.2 steps in full fine-tuning on a CPU, 2.7 in LoRA, whose
-        # backward is cheap).
+        # What the readings cost this process, for the end line: measured, since three forwards weigh a different
+        # share of a step in each setting (see READ_EVERY).
         self.readings_here, self.reading_seconds = 0, 0.0
         self.train_started = time.perf_counter()
 
@@ -137,7 +136,8 @@ class LrAutopilot:
         elif self._wants_reading(step, real_step):
             started = self._clock()
             had_rate = scale.last_loss is not None  # a first reading, or one after a rollback, asks for nothing yet
-            line = self._read_line()
+            trainer = self.trainer
+            line = trainer._hybrid_reduce(*next_step_line(trainer, trainer.model_wrapped, trainer._hybrid, self.probe))
             self.last_line = tuple(line)
             decision = scale.reading(*line, spacing=SPACING, steps=step - self.last_reading,
                                      schedule_factor=self._schedule_factor(), frozen=self._frozen(),
@@ -162,11 +162,6 @@ class LrAutopilot:
         if self.trainer.args.device.type == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter()
-
-    def _read_line(self) -> list[float]:
-        """The probe's loss along the optimizer's next step, averaged across ranks (step_line.py)."""
-        trainer = self.trainer
-        return trainer._hybrid_reduce(*next_step_line(trainer, trainer.model_wrapped, trainer._hybrid, self.probe))
 
     def _raise_paid(self) -> bool:
         """The verdict on the raise under trial (trial_verdict.py): undone when its steps did worse than the user's LR
