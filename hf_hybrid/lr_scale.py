@@ -69,7 +69,7 @@ class LrScale:
     raises_kept: int = 0
     trials_undone: int = 0
     lowered: int = 0
-    readings: int = 0  # each ran three probe forwards: about one training step's compute
+    readings: int = 0  # each ran three probe forwards: 1.2-2.7 training steps on a CPU (lr_autopilot.READ_EVERY)
     last_reach: float | None = None  # the last reading's, at the schedule's peak
     recent: tuple[float, ...] = ()  # the last readings' reaches where a raise may start, at today's scale
 
