@@ -19,6 +19,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -109,8 +110,19 @@ def speed_arm(arm: str, preset: dict, learning_rate: float, seed: int, out_dir: 
 def run_faults(preset: dict, seed: int, out: Path) -> dict:
     preset = dict(preset, eval_steps=max(preset["max_steps"] // 6, 1))
     plan = faults.FaultPlan.for_run(preset["max_steps"], faults.ALL_FAULTS)
-    arms = {arm: faults.run_arm(arm, dict(preset), plan, seed, out / arm)
-            for arm in ("trainer-clean", "trainer-faults", "hybrid-faults")}
+    # The Trainer with the faults is the clean Trainer until the first fault: it resumes from the clean run's
+    # checkpoint there instead of training those steps again, and shares its evaluations up to it.
+    start = plan.first_step
+    arms = {"trainer-clean": faults.run_arm("trainer-clean", dict(preset), plan, seed, out / "trainer-clean",
+                                            save_at=start)}
+    print(f"  [ trainer-faults] resumes from the clean Trainer's checkpoint at step {start}, before the first fault",
+          flush=True)
+    faulted = faults.run_arm("trainer-faults", dict(preset), plan, seed, out / "trainer-faults",
+                             resume_from=out / "trainer-clean" / f"checkpoint-{start}")
+    shared = [e for e in arms["trainer-clean"]["evals"] if e[0] <= start]
+    arms["trainer-faults"] = dict(faulted, evals=shared + faulted["evals"])
+    shutil.rmtree(out / "trainer-clean" / f"checkpoint-{start}")  # served its one purpose; a user's disk is not ours
+    arms["hybrid-faults"] = faults.run_arm("hybrid-faults", dict(preset), plan, seed, out / "hybrid-faults")
     clean = arms["trainer-clean"]["final_eval_loss"]
     report = {"seed": seed, "max_steps": preset["max_steps"], "faults": list(faults.ALL_FAULTS),
               "plan": plan.describe(), "arms": arms,

@@ -42,6 +42,12 @@ class FaultPlan:
                    spike_step=7 * max_steps // 10 if "spike" in kinds else None,
                    nan_step=19 * max_steps // 20 if "nan" in kinds else None)
 
+    @property
+    def first_step(self) -> int | None:
+        """The first step a fault touches (0-based, as `global_step` before it), or None."""
+        steps = [s for s in (self.window and self.window[0], self.spike_step, self.nan_step) if s is not None]
+        return min(steps) if steps else None
+
     def describe(self) -> str:
         parts = []
         if self.window:
@@ -134,7 +140,21 @@ class UpdatesEval(TrainerCallback):
               f"eval loss {metrics['eval_loss']:.4f}, {time.perf_counter() - self.t0:5.0f}s{extra}", flush=True)
 
 
-def run_arm(arm: str, preset: dict, plan: FaultPlan, seed: int, out_dir: Path) -> dict:
+class SaveAt(TrainerCallback):
+    """Saves one checkpoint, after optimizer step `step`: where a faulted arm can start from the clean one."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_save = True
+
+
+def run_arm(arm: str, preset: dict, plan: FaultPlan, seed: int, out_dir: Path, save_at: int | None = None,
+            resume_from: Path | None = None) -> dict:
+    """One arm's run. `save_at`: also save a checkpoint after that step; `resume_from`: start from such a
+    checkpoint (the Trainer's own resume: weights, optimizer, schedule, RNG and data position)."""
     from transformers import Trainer, TrainingArguments
     from transformers.trainer_callback import PrinterCallback
 
@@ -164,7 +184,9 @@ def run_arm(arm: str, preset: dict, plan: FaultPlan, seed: int, out_dir: Path) -
     trainer.add_callback(evaluator)
     if faulty:
         trainer.add_callback(LearningRateSpike(plan.spike_step))
-    trainer.train()
+    if save_at is not None:
+        trainer.add_callback(SaveAt(save_at))
+    trainer.train(resume_from_checkpoint=str(resume_from) if resume_from is not None else None)
     stats = trainer.hybrid_stats() if hasattr(trainer, "hybrid_stats") else None
     final = evaluator.evals[-1][2] if evaluator.evals else float("nan")
     return {"arm": arm, "evals": evaluator.evals, "final_eval_loss": final, "global_steps": trainer.state.global_step,

@@ -23,6 +23,12 @@ def test_demo_ends_on_one_summary_screen(tmp_path):
     faults = json.loads((tmp_path / "faults" / "report.json").read_text())
     speed = json.loads((tmp_path / "speed" / "report.json").read_text())
     assert set(faults["arms"]) == {"trainer-clean", "trainer-faults", "hybrid-faults"}
+    # The Trainer with the faults starts from the clean run's checkpoint before the first fault, then meets them all:
+    # its evaluations part from the clean run's and end at NaN; the checkpoint is removed once used.
+    clean, faulted = faults["arms"]["trainer-clean"]["evals"], faults["arms"]["trainer-faults"]["evals"]
+    assert [e[0] for e in faulted] == [e[0] for e in clean] and faulted[-2][2] != clean[-2][2]
+    assert faulted[-1][2] != faulted[-1][2]  # NaN
+    assert not list((tmp_path / "faults" / "trainer-clean").glob("checkpoint-*"))
     assert speed["learning_rate"] == 0.2 * speed["swept_learning_rate"]
     assert f"{speed['target']:.3f}" in screen
     # Updates beside wall clock: the Trainer's are its steps; the hybrid's evaluations came on its counted steps.
