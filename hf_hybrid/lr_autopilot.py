@@ -125,15 +125,14 @@ class LrAutopilot:
         return due and idle and self.scale.wants_readings and useful
 
     def end_step(self, step: int, real_step: bool, guard_action: str | None) -> None:
-        """At an optimizer step's end: act on a guard rollback, and every few real steps read the next step's line."""
+        """At an optimizer step's end: act on a guard flag, and every few real steps read the next step's line."""
         scale, before = self.scale, self.scale.scale
         replay = self.trainer._hybrid.replay
         self.last_line = self.last_verdict = None
         if guard_action is not None:
             replay.end_trial()  # the guard dropped batches inside the trial; they are not given back
-        if guard_action == "rollback":
-            scale.weights_damaged()
-        elif self._wants_reading(step, real_step):
+            scale.guard_flagged(weights_damaged=guard_action == "rollback")
+        if guard_action != "rollback" and self._wants_reading(step, real_step):
             started = self._clock()
             had_rate = scale.last_loss is not None  # a first reading, or one after a rollback, asks for nothing yet
             trainer = self.trainer

@@ -22,8 +22,12 @@ point. The next reading judges it: the raise is undone when the raised steps did
 the old scale would have reached over the same batches (trial_verdict.py), and then everything goes back bit for bit
 (weights, optimizer state, schedule back to the undo point, the scale back to what it was), and the next raise waits
 2, 4, ... readings; otherwise it is kept.
-A guard rollback (the weights were damaged) ends a trial and lowers a raised scale. The scale never goes below the
-user's LR: a run too fast for its data is the guard's to catch.
+Any step the guard flags starts the steady window again, and no raise starts before the STEADY_READINGS-th reading
+after it: readings on either side of bad data are not one steady run. In a faulted run at the swept LR, a median of
+1.55 over readings that straddled a rollback and a NaN step raised the LR 3.1x, and the verdict kept it at a gain of
+-0.048 (1.6 SE, inside the margin); the run ended 0.054 above its clean Trainer (run 232 in docs/benchmarks.md).
+A guard rollback (the weights were damaged) also ends a trial and lowers a raised scale. The scale never goes below
+the user's LR: a run too fast for its data is the guard's to catch.
 The same reading holds the jumps back: a reach under TARGET_REACH says today's steps already go as far as the line
 runs, where a jump, which extends the path the steps took, has not been worth keeping (at the swept LR and at 3x it,
 every jump came after such a reading, and the kept ones ended runs above the Trainer as often as below it; runs
@@ -121,10 +125,14 @@ class LrScale:
         """Whether a reading can change anything: a trial to judge, or room to raise."""
         return self.on_trial or self.scale < MAX_SCALE
 
-    def weights_damaged(self) -> None:
-        """A guard rollback: the weights went bad. An open trial is over (the rollback undid its steps), and a scale
-        above the user's comes down."""
-        self.last_loss, self.recent = None, ()  # the weights moved back: the next reading starts a new window
+    def guard_flagged(self, weights_damaged: bool) -> None:
+        """The guard skipped a step, or rolled the weights back (`weights_damaged`). The steady window starts again,
+        and no raise starts before the STEADY_READINGS-th reading from here. After a rollback an open trial is over
+        (the rollback undid its steps), and a scale above the user's comes down."""
+        self.recent, self.wait = (), max(self.wait, STEADY_READINGS)
+        if not weights_damaged:
+            return
+        self.last_loss = None  # the weights moved back: the next reading has no progress to compare
         if self.trial_from is not None:
             self.scale, self.trial_from = self.trial_from, None
             self.trials_undone += 1

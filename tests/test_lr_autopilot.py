@@ -109,10 +109,25 @@ def test_a_guard_rollback_ends_a_trial_and_never_goes_below_the_users_lr():
     s = LrScale()
     read(s, 5.0, bottom=12.0)
     read(s, 4.9, bottom=12.0)
-    s.weights_damaged()
+    s.guard_flagged(weights_damaged=True)
     assert s.scale == 1.0 and not s.on_trial and s.trials_undone == 1 and s.last_loss is None
-    s.weights_damaged()
+    s.guard_flagged(weights_damaged=True)
     assert s.scale == 1.0
+
+
+def test_readings_across_a_guard_flag_are_no_steady_reach():
+    """Run 232's readings at a swept LR: 1.55 and 0.43 steps, a NaN step the guard skipped, then 3.97. As one window
+    their median raised the LR 3.1x, and the verdict kept it at a loss; the flag starts the window again, and the
+    third reading after it is the first that may raise."""
+    straddled, flagged = LrScale(), LrScale()
+    for s in (straddled, flagged):
+        read(s, 6.47, bottom=1.55)
+        read(s, 6.45, bottom=0.43)
+    flagged.guard_flagged(weights_damaged=False)
+    assert read(straddled, 6.40, bottom=3.97) == "raise"
+    assert read(flagged, 6.40, bottom=3.97) is None and flagged.last_loss == pytest.approx(6.40)  # the rate holds
+    assert read(flagged, 6.39, bottom=4.5) is None  # over the single-reading gate, but the second after the flag
+    assert read(flagged, 6.38, bottom=1.6) == "raise" and flagged.trial_raise == pytest.approx(4.0)  # the cap
 
 
 def learning_rates(trainer) -> list[float]:
@@ -449,6 +464,34 @@ def test_where_the_steps_are_long_enough_no_jump_is_tried_and_the_run_is_the_tra
     monkeypatch.setattr("hf_hybrid.lr_scale.STEADY_REACH", math.inf)  # a longer line, but no raise
     tried, _ = run_with_readings_of(tmp_path, monkeypatch, reach=3.0, name="tried")
     assert tried.hybrid_stats()["predictions_judged"] > 0 and tried.hybrid_stats()["turns_passed"] == 0
+
+
+@pytest.mark.parametrize("nan_at", [None, 15])
+def test_no_raise_starts_before_the_third_reading_after_a_guard_skip(tmp_path, monkeypatch, nan_at):
+    """Every line reads 10 steps: the second reading raises. A NaN loss between the first two readings, which the
+    guard skips, holds the raise until the third reading after it."""
+    from .test_safety import nan_model
+
+    monkeypatch.setattr("hf_hybrid.lr_scale.reach_of_line", lambda f0, f1, f2: 10.0 / SPACING)
+    model = nan_model(at_grad=() if nan_at is None else (nan_at,))
+    trainer = make_trainer(tmp_path, model=model, learning_rate=1e-4, lr_scheduler_type="constant",
+                           **{**OUTER, "max_steps": 50})
+    scales, skipped = [], []
+
+    class Scale(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            scales.append(trainer._lr_autopilot.scale.scale)
+            skipped.append(trainer.hybrid_stats()["skipped_steps"])
+
+    trainer.add_callback(Scale())
+    read_at = train_noting_readings(trainer)
+    raised_at = next(step for step, scale in enumerate(scales, start=1) if scale > 1.0)
+    if nan_at is None:
+        assert raised_at == read_at[1] and skipped[-1] == 0, (read_at, scales)
+    else:
+        skip_step = skipped.index(1) + 1
+        assert read_at[0] < skip_step < read_at[1] and skipped[-1] == 1, (read_at, skip_step)
+        assert raised_at == read_at[3], (read_at, scales)
 
 
 def test_no_raise_starts_in_the_first_descent_just_after_the_warmup(tmp_out, monkeypatch):
