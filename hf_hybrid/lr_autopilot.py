@@ -111,8 +111,11 @@ class LrAutopilot:
         """No raise starts before `_raise_from`, where a run's first descent reads as a line tens of steps long at any
         LR (measured on cpu-long at a fifth of the swept LR: 78 and 189 steps at steps 21 and 31, which raised it to
         twice the swept LR and ended 0.06 above the Trainer), nor in the schedule's final decay (below half its
-        peak)."""
-        return self._scheduler.last_epoch < self._raise_from() or self._schedule_factor() < 0.5
+        peak), nor where the run would end before its verdict, READ_EVERY steps on (a constant schedule has no decay
+        to stop it: `cpu-small` with faults raised its own LR 2.5x 3 steps before the end, run 236)."""
+        state = self.trainer.state
+        return (self._scheduler.last_epoch < self._raise_from() or self._schedule_factor() < 0.5
+                or state.max_steps - state.global_step < READ_EVERY)
 
     def _wants_reading(self, step: int, real_step: bool) -> bool:
         engine = self.trainer._hybrid
@@ -195,6 +198,12 @@ class LrAutopilot:
         """The end line: what the autopilot did to the learning rate, and what to pass next time."""
         s, user = self.scale, self.user_base_lrs[0]
         tried = f"{s.raises_kept} raises kept, {s.trials_undone} undone"
+        if s.on_trial:  # the run ended before the verdict (a jump held the reading back): advise only what was judged
+            judged = user * s.trial_from
+            advice = (f"pass --learning_rate {judged:.2g} next time" if s.trial_from != 1.0 else
+                      f"--learning_rate {user:.2g} stands")
+            return (f"hf_hybrid: training ended before a {s.trial_raise:.1f}x raise of the learning rate "
+                    f"({judged:.2g} -> {self.learning_rate:.2g}) could be judged ({tried}); {advice}.")
         if s.scale != 1.0:
             return (f"hf_hybrid: raised the learning rate {s.scale:.1f}x: {user:.2g} -> {self.learning_rate:.2g} "
                     f"({tried}); pass --learning_rate {self.learning_rate:.2g} next time.")

@@ -475,7 +475,7 @@ def test_no_raise_starts_before_the_third_reading_after_a_guard_skip(tmp_path, m
     monkeypatch.setattr("hf_hybrid.lr_scale.reach_of_line", lambda f0, f1, f2: 10.0 / SPACING)
     model = nan_model(at_grad=() if nan_at is None else (nan_at,))
     trainer = make_trainer(tmp_path, model=model, learning_rate=1e-4, lr_scheduler_type="constant",
-                           **{**OUTER, "max_steps": 50})
+                           **{**OUTER, "max_steps": 70})
     scales, skipped = [], []
 
     class Scale(TrainerCallback):
@@ -492,6 +492,24 @@ def test_no_raise_starts_before_the_third_reading_after_a_guard_skip(tmp_path, m
         skip_step = skipped.index(1) + 1
         assert read_at[0] < skip_step < read_at[1] and skipped[-1] == 1, (read_at, skip_step)
         assert raised_at == read_at[3], (read_at, scales)
+
+
+def test_no_raise_starts_where_the_run_would_end_before_its_verdict(tmp_out, monkeypatch, caplog):
+    """Every line reads 10 steps, on a constant schedule: the reading 8 steps before the end judges the open raise and
+    keeps it, but starts no other, whose verdict would come after the end. Had one been open at the end, the end line
+    would advise only the LR that was judged."""
+    monkeypatch.setattr("hf_hybrid.lr_scale.reach_of_line", lambda f0, f1, f2: 10.0 / SPACING)
+    trainer = make_trainer(tmp_out, learning_rate=1e-4, lr_scheduler_type="constant", **{**OUTER, "max_steps": 40})
+    read_at = train_noting_readings(trainer)
+    scale = trainer._lr_autopilot.scale
+    assert read_at == [12, 22, 32] and trainer.state.global_step == 40, read_at
+    assert scale.scale == 4.0 and scale.raises_kept == 1 and not scale.on_trial
+    scale.trial_from, scale.scale = 4.0, 10.0
+    assert trainer._lr_autopilot.summary() == (
+        "hf_hybrid: training ended before a 2.5x raise of the learning rate (0.0004 -> 0.001) could be judged (1 "
+        "raises kept, 0 undone); pass --learning_rate 0.0004 next time.")
+    scale.trial_from, scale.scale = 1.0, 4.0
+    assert trainer._lr_autopilot.summary().endswith("--learning_rate 0.0001 stands.")
 
 
 def test_no_raise_starts_in_the_first_descent_just_after_the_warmup(tmp_out, monkeypatch):
