@@ -68,8 +68,9 @@ class HybridTrainingArguments(TrainingArguments):
             a row whose median is 1 step or more), up to 4x at a time and 10x in all, never below the user's. Each
             raise is judged at the next reading, on the probe, against the point the user's LR would have reached over
             the same batches (two forwards), and undone bit for bit (to the guard's snapshot) when it did worse by more
-            than `hybrid_probe_noise_margin`; no raise in the schedule's warmup, the 10 steps after it, or its final
-            decay. Needs the guard's snapshots and an Adam-family optimizer. `False` keeps `--learning_rate` exactly.
+            than `hybrid_probe_noise_margin`; no raise in the schedule's warmup, the 10 steps after it, its final
+            decay, the last 10 steps, or before the third reading after a step the guard flagged. Needs the guard's
+            snapshots and an Adam-family optimizer. `False` keeps `--learning_rate` exactly.
         hybrid_monitor_interval (`int`, defaults to `1`):
             Run a forward pass to check the loss on every N-th predicted step (and always on a phase's last);
             skipped steps cost almost nothing but are unchecked until the next check.
