@@ -12,6 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 from faults import FaultPlan, LearningRateSpike, with_faults  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
 
 from hf_hybrid import HybridHFTrainer  # noqa: E402
 from hf_hybrid.lr_scale import LrScale  # noqa: E402
@@ -20,11 +21,33 @@ from tests.conftest import hybrid_args, tiny_gpt2, token_dataset  # noqa: E402
 from tests.ddp_guard_worker import HashEveryStep  # noqa: E402
 from tests.test_guard import GUARD, SPIKE  # noqa: E402
 
-# The defaults, with the outer cycle and the warmup before it scaled down to a 40-step run, and a constant schedule:
-# a linear decay would freeze the learning-rate autopilot from step 20 on.
+# The defaults, with the outer cycle and the warmup before it scaled down to an 80-step run (long enough for a raise
+# after the guard's rollback and skip, each of which holds raises for three readings), and a constant schedule: a
+# linear decay would freeze the learning-rate autopilot halfway.
 DEFAULTS = dict(hybrid_predictor="outer", hybrid_outer_period=5, hybrid_warmup_steps=5, hybrid_payoff_check=True,
                 hybrid_max_rejections=0, lr_scheduler_type="constant", save_strategy="steps", save_steps=10,
                 hybrid_guard_snapshot_steps=50)  # the default: the snapshots come at the cycle starts
+
+
+class PlacementEveryStep(TrainerCallback):
+    """Where the guard's snapshot and the outer state sit at each step's end: their bytes on this rank, and whether the
+    snapshot stands on the outer anchor (its weights not copied again)."""
+
+    def __init__(self) -> None:
+        self.trainer, self.rows = None, []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        snapshot, outer = self.trainer._guard_loop.snapshot, self.trainer._hybrid.predictor
+        if not snapshot.valid:
+            return
+        # The guard's own copies: weights it stands on that the outer predictor holds as its anchor are not its own.
+        own = [*([] if snapshot.on_held_weights else snapshot.weights.tensors or []),
+               *(snapshot.optimizer_state.tensors or [])]
+        held = [*(outer.anchor or []), *outer.buf]
+        self.rows.append({"on_anchor": snapshot.on_held_weights,
+                          "is_the_anchor": snapshot.weights.tensors is outer.anchor,
+                          "guard_bytes": sum(t.numel() * t.element_size() for t in own),
+                          "outer_bytes": sum(t.numel() * t.element_size() for t in held)})
 
 
 def main(out_dir: str, resume_from: str | None) -> None:
@@ -42,15 +65,17 @@ def main(out_dir: str, resume_from: str | None) -> None:
         return original_reading(self, f0, f1, f2, **kwargs)
 
     LrScale.reading = long_until_tried
-    args = hybrid_args(out_dir, max_steps=40, per_device_train_batch_size=4,
+    args = hybrid_args(out_dir, max_steps=80, per_device_train_batch_size=4,
                        **{**GUARD, **DEFAULTS, "learning_rate": GUARD["learning_rate"] / 5})
     rank = args.process_index
     plan = FaultPlan(nan_step=34 if rank == 1 else None)
     trainer = with_faults(HybridHFTrainer, plan)(model=tiny_gpt2(seed=7 if resume_from else 0), args=args,
                                                  train_dataset=token_dataset())
     trainer.add_callback(LearningRateSpike(20, SPIKE))
-    recorder = HashEveryStep()
+    recorder, placement = HashEveryStep(), PlacementEveryStep()
+    placement.trainer = trainer
     trainer.add_callback(recorder)
+    trainer.add_callback(placement)
     trainer.train(resume_from_checkpoint=resume_from)
     trace = Path(out_dir, "hybrid_trace.jsonl").read_text().splitlines() if rank == 0 else []  # rank 0 writes it
     rows = [json.loads(line) for line in trace]
@@ -59,16 +84,8 @@ def main(out_dir: str, resume_from: str | None) -> None:
     # Each rank keeps its own first micro-batch as the autopilot's probe (the losses on it are averaged across ranks):
     # the rest of its state must be identical.
     autopilot = {k: v for k, v in trainer._lr_autopilot.state_dict().items() if k != "probe"}
-    snapshot, outer = trainer._guard_loop.snapshot, trainer._hybrid.predictor
-    # The guard's own copies: weights it stands on that the outer predictor holds as its anchor are not its own.
-    own = [*([] if snapshot.on_held_weights else snapshot.weights.tensors or []),
-           *(snapshot.optimizer_state.tensors or [])]
     result = {"world_size": args.world_size, "hashes": recorder.hashes, "stats": trainer.hybrid_stats(),
-              "lr_autopilot": autopilot, "events": events,
-              "guard_snapshot_bytes": sum(t.numel() * t.element_size() for t in own),
-              "snapshot_on_anchor": snapshot.on_held_weights,
-              "snapshot_is_the_anchor": snapshot.weights.tensors is outer.anchor,
-              "outer_state_bytes": sum(t.numel() * t.element_size() for t in [*(outer.anchor or []), *outer.buf]),
+              "lr_autopilot": autopilot, "events": events, "placement": placement.rows,
               "param_bytes": sum(p.numel() * p.element_size() for p in trainer.model.parameters())}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     trainer.accelerator.end_training()
