@@ -494,7 +494,7 @@ def test_no_raise_starts_before_the_third_reading_after_a_guard_skip(tmp_path, m
         assert raised_at == read_at[3], (read_at, scales)
 
 
-def test_no_raise_starts_where_the_run_would_end_before_its_verdict(tmp_out, monkeypatch, caplog):
+def test_no_raise_starts_where_the_run_would_end_before_its_verdict(tmp_out, monkeypatch):
     """Every line reads 10 steps, on a constant schedule: the reading 8 steps before the end judges the open raise and
     keeps it, but starts no other, whose verdict would come after the end. Had one been open at the end, the end line
     would advise only the LR that was judged."""
