@@ -16,8 +16,9 @@ import torch
 from transformers.utils import logging
 
 from .divergence import non_finite
+from .forward_checks import training_step_loss
 from .guard import Action, GuardEvent, StepGuard
-from .replay import move_unit
+from .replay import Unit, move_unit
 from .rng import forked_rng
 from .snapshot import TrainingSnapshot, rng_state
 
@@ -41,8 +42,10 @@ class GuardAtLoop:
         # Under DDP every rank holds the same state, so one rank keeps the snapshot for all (FSDP2: each its shards).
         sharded = bool(trainer._hybrid.predictor.shard_groups)
         self.snapshot = TrainingSnapshot(replicated=trainer.accelerator.num_processes > 1 and not sharded)
-        self.inputs: list[dict] = []  # the micro-batches of the real step under way
-        self.reference: list[dict] | None = None  # the last accepted step's: bad weights or bad data?
+        # The micro-batches of the real step under way, with the Trainer's `num_items_in_batch` for them; and the
+        # last accepted step's, which tell bad weights from bad data.
+        self.inputs: Unit = ([], None)
+        self.reference: Unit | None = None
         self.pending: tuple | None = None  # (event, scaler state) until the step's end
         self.stop_message: str | None = None
         # Set by a save: the next accepted step's snapshot is the checkpoint's own state, which a run resumed from it
@@ -57,10 +60,12 @@ class GuardAtLoop:
         if saved is not None:
             self.guard.load_state_dict(saved["stats"])
             reference = saved["reference"]
-            self.reference = move_unit((reference, None), trainer.args.device)[0] if reference else None
+            # Checkpoints from before session 28 hold no item count: their reference is judged as a plain mean.
+            unit = (reference, saved.get("reference_items"))
+            self.reference = move_unit(unit, trainer.args.device) if reference else None
 
-    def add_micro_batch(self, inputs: dict, first: bool) -> None:
-        self.inputs = [inputs] if first else [*self.inputs, inputs]
+    def add_micro_batch(self, inputs: dict, num_items_in_batch: torch.Tensor | int | None, first: bool) -> None:
+        self.inputs = ([inputs] if first else [*self.inputs[0], inputs]), num_items_in_batch
         if first:
             due = self.snapshot_asked or not self.snapshot.valid  # a run resumed mid-trial takes its first one
             self.step_rng = rng_state() if due and self.snapshot_held else None
@@ -122,17 +127,18 @@ class GuardAtLoop:
 
     def _reference_signals(self, model) -> tuple[torch.Tensor, torch.Tensor]:
         """Loss and gradient norm of the last accepted step's batches at the current weights, over its whole
-        accumulation window as the guard saw the flagged step's: would they be flagged too? One step's forward and
-        backward, only on a flagged step, whose update is vetoed anyway (so its gradients may be overwritten).
-        Unscaled: the fp16 loss scale is not involved."""
+        accumulation window and on the scale of the Trainer's loss, as the guard saw them when it accepted that step:
+        would they be flagged now, or did its own update raise their loss? One step's forward and backward, only on a
+        flagged step, whose update is vetoed anyway (so its gradients may be overwritten). Unscaled: the fp16 loss
+        scale is not involved."""
         trainer = self.trainer
+        batches, num_items_in_batch = self.reference
         model.train()
         model.zero_grad()
         total = torch.zeros((), device=trainer.args.device)
         with forked_rng(trainer.args.device, trainer.args.seed):
-            for inputs in self.reference:
-                with trainer.compute_loss_context_manager():
-                    loss = trainer.compute_loss(model, trainer._prepare_inputs(inputs)) / len(self.reference)
+            for inputs in batches:
+                loss = training_step_loss(trainer, model, inputs, num_items_in_batch)
                 loss.backward()
                 total += loss.detach().float()
         grads = [p.grad for p in model.parameters() if p.grad is not None]
@@ -194,8 +200,5 @@ class GuardAtLoop:
 
     def state_dict(self) -> dict:
         """For a checkpoint: the statistics and the reference batch. The snapshot stays out (see `snapshot_asked`)."""
-        reference = self.reference
-        return {
-            "stats": self.guard.state_dict(),
-            "reference": move_unit((reference, None), "cpu")[0] if reference else None,
-        }
+        batches, num_items_in_batch = move_unit(self.reference, "cpu") if self.reference else (None, None)
+        return {"stats": self.guard.state_dict(), "reference": batches, "reference_items": num_items_in_batch}

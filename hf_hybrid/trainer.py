@@ -128,7 +128,7 @@ class HybridMixin:
             self._hybrid_window_loss = torch.zeros((), device=self.args.device)
         if engine.phase is not Phase.PREDICT:
             if self._guard_loop is not None:
-                self._guard_loop.add_micro_batch(inputs, first_micro_batch)
+                self._guard_loop.add_micro_batch(inputs, num_items_in_batch, first_micro_batch)
             if self._lr_autopilot is not None:
                 self._lr_autopilot.take_probe(inputs)
             loss = super().training_step(model, inputs, num_items_in_batch)

@@ -42,13 +42,14 @@ class StateRecorder(TrainerCallback):
                           "lr": self.trainer.lr_scheduler.get_last_lr()[0], "snapshot": snapshot.step})
 
 
-def guarded_trainer(output_dir, plan: FaultPlan | None = None, model=None, **overrides) -> HybridHFTrainer:
+def guarded_trainer(output_dir, plan: FaultPlan | None = None, model=None, spike: float = SPIKE,
+                    **overrides) -> HybridHFTrainer:
     settings = {"hybrid_predict": False, **GUARD, **overrides}
     cls = with_faults(HybridHFTrainer, plan) if plan is not None else HybridHFTrainer
     trainer = cls(model=model if model is not None else tiny_gpt2(), args=hybrid_args(output_dir, **settings),
                   train_dataset=token_dataset())
     if plan is not None:
-        trainer.add_callback(LearningRateSpike(plan.spike_step, SPIKE))
+        trainer.add_callback(LearningRateSpike(plan.spike_step, spike))
     return trainer
 
 
@@ -122,6 +123,20 @@ def test_guard_escalates_from_skip_to_rollback_to_stop():
     assert event.action is Action.STOP  # nothing to roll back to
 
 
+def test_a_last_batch_whose_loss_its_own_update_raised_convicts_the_weights():
+    guard = StepGuard(window=16, threshold=6.0, min_steps=8)
+    for step in range(16):
+        guard.check(step, 4.0 + 0.01 * (step % 3), 1.0)  # the last accepted loss 4.00; sigma: the 2% floor
+    event = guard.check(16, 20.0, 1.0)
+    guard.judge_weights(event, 4.07, 1.0)  # within a sigma of its loss when accepted: noise, not damage
+    assert event.action is Action.SKIP
+    event = guard.check(17, 20.0, 1.0)
+    guard.judge_weights(event, 4.2, 1.0)  # under the outlier bound (4.49), but 2.5 sigmas above where it was
+    assert event.action is Action.ROLLBACK
+    assert event.signal == "weights (last accepted batch's loss, 4 before its update)"
+    assert (event.value, event.bound) == (4.2, pytest.approx(4.0 + 0.02 * 4.01))  # the floor at the median
+
+
 # ---- in the Trainer --------------------------------------------------------------------------------
 
 
@@ -185,6 +200,22 @@ def test_damaged_weights_roll_back_to_the_snapshot_exactly(tmp_out):
     assert stats["guard_rollbacks"] == 1 and stats["guard_undone_steps"] == 28 - snapshot_step
     assert adam_steps(trainer) == {40.0}  # every undone update made up
     assert all(torch.isfinite(r["params"]).all() for r in rows)
+
+
+def test_an_update_that_raised_its_own_batchs_loss_is_rolled_back(tmp_out, caplog):
+    """A 70x update: the next step's loss is flagged, and the batch the update was computed on still reads under the
+    outlier bound (4.14 against 4.63); but its loss rose from 2.08 to 4.14 through that update, so the weights are
+    bad, not the data. Before session 28 the guard skipped the step and kept the update."""
+    trainer = guarded_trainer(tmp_out, FaultPlan(spike_step=27), spike=70.0)
+    with caplog.at_level("WARNING", logger="hf_hybrid.guard_loop"):
+        rows = train_recorded(trainer).rows
+    events = [(r["step"], r["guard"]) for r in trace(tmp_out) if r["guard"]]
+    assert events == [(29, "rollback")]
+    assert ("step 29: weights (last accepted batch's loss, 2.078 before its update) 4.139 > bound 2.449: rolled back"
+            in caplog.text)
+    snapshot_step = rows[27]["snapshot"]
+    assert snapshot_step <= 27 and torch.equal(rows[28]["params"], rows[snapshot_step - 1]["params"])
+    assert adam_steps(trainer) == {40.0}
 
 
 def test_too_many_rollbacks_save_a_checkpoint_and_stop(tmp_out):
