@@ -76,13 +76,14 @@ class RobustWindow:
         self.relative_floor = relative_floor
 
     def bound(self, threshold: float) -> float:
-        return statistics.median(self.values) + threshold * self.sigma()
+        median, sigma = self.median_and_sigma()
+        return median + threshold * sigma
 
-    def sigma(self) -> float:
+    def median_and_sigma(self) -> tuple[float, float]:
         median = statistics.median(self.values)
         mad = statistics.median(abs(v - median) for v in self.values)
         floor = self.sigma_floor * (max(abs(median), 1.0) if self.relative_floor else 1.0)
-        return max(MAD_TO_SIGMA * mad, floor)
+        return median, max(MAD_TO_SIGMA * mad, floor)
 
 
 class StepGuard:
@@ -156,7 +157,7 @@ class StepGuard:
         # 28 it never rose by more than 0.08 robust sigmas, while the faults runs' 100x-LR updates raised it by 0.5 to
         # 39 (1.7 sigmas and more). The window's last value is that batch's loss when accepted, before its update.
         accepted = self.loss.values[-1]
-        rise_bound = accepted + self.loss.sigma()
+        rise_bound = accepted + self.loss.median_and_sigma()[1]
         if reference_loss > rise_bound:
             event.signal = f"weights (last accepted batch's loss, {accepted:.4g} before its update)"
             event.value, event.bound, event.action = reference_loss, rise_bound, Action.ROLLBACK
