@@ -113,6 +113,16 @@ def _speedups(values: list) -> str:
     return ", ".join("not reached" if s is None else f"{s:.2f}x" for s in values)
 
 
+def _host_part(timing: dict, key: str, real_seconds: float) -> str:
+    """On a GPU: how much of a synchronized hook clock was the host's own work, and how much the bare waits were."""
+    if "idle_synchronize" not in timing or key + "_host" not in timing:
+        return ""
+    waits = timing[key + "_calls"] * timing["idle_synchronize"]
+    return (f" (host {100 * timing[key + '_host'] / real_seconds:.2f}%; {timing[key + '_calls']} clocked calls, "
+            f"whose bare waits at {1e6 * timing['idle_synchronize']:.0f} us each make "
+            f"{100 * waits / real_seconds:.2f}%)")
+
+
 def print_table(report: dict) -> None:
     def med(arm: str, key: str):
         values = [r[key] for r in report[arm] if r[key] is not None]
@@ -164,10 +174,11 @@ def print_table(report: dict) -> None:
         print("hybrid hook time: not measured (on a GPU only --mode overhead times the hooks)")
     elif real_seconds:
         print(f"hybrid hook time on real steps: {hook_seconds:.2f}s = {100 * hook_seconds / real_seconds:.2f}% "
-              "of real-step time")
+              "of real-step time" + _host_part(hybrid_timing, "hybrid_hooks_real", real_seconds))
         guard_seconds = hybrid_timing.get("guard", 0.0)
         print(f"guard time (verdicts and snapshots): {guard_seconds:.2f}s = "
-              f"{100 * guard_seconds / real_seconds:.2f}% of real-step time")
+              f"{100 * guard_seconds / real_seconds:.2f}% of real-step time" + _host_part(hybrid_timing, "guard",
+                                                                                            real_seconds))
     if "lr_readings" in hybrid_timing:
         train_seconds = report["hybrid"][0]["train_seconds"]
         print(f"lr autopilot readings, verdicts and undos: {hybrid_timing['lr_readings']:.2f}s = "

@@ -125,12 +125,30 @@ def add_optimizer_clock(trainer, result, cuda: bool) -> None:
     trainer.callback_handler.callbacks.insert(0, OptimizerClockStop(start, result))
 
 
+def idle_synchronize_seconds(repeats: int = 200) -> float:
+    """The median time of one `torch.cuda.synchronize` with nothing queued: what each synchronized hook clock adds to
+    the hook it times, however little device work the hook launched."""
+    samples = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        torch.cuda.synchronize()
+        samples.append(time.perf_counter() - t)
+    return sorted(samples)[len(samples) // 2]
+
+
 def time_hybrid_hooks(result, cuda: bool) -> None:
     """Seconds spent in the engine's per-step work, split by real and predicted steps: the hybrid's overhead,
     measured inside one run rather than as a difference of two noisy runs. On a predicted step it includes
-    applying the delta."""
+    applying the delta. On a GPU each hook's clock waits for the queued kernels before it starts and after the hook
+    returns; `<key>_host` holds the part before that second wait (the host's own work, which on a step bound by the
+    host is the hook's cost), `<key>_calls` the number of clocked calls, and `idle_synchronize` what one wait costs
+    with nothing queued."""
     from hf_hybrid.engine import HybridEngine
     from hf_hybrid.guard_loop import GuardAtLoop
+
+    if cuda:
+        result.timing["idle_synchronize"] = idle_synchronize_seconds()
 
     def timed(method, key_of):
         @functools.wraps(method)
@@ -139,10 +157,14 @@ def time_hybrid_hooks(result, cuda: bool) -> None:
                 torch.cuda.synchronize()
             t = time.perf_counter()
             out = method(self, *args, **kwargs)
+            host = time.perf_counter() - t
             if cuda:
                 torch.cuda.synchronize()
             key = key_of(self)
-            result.timing[key] = result.timing.get(key, 0.0) + time.perf_counter() - t
+            timing = result.timing
+            timing[key] = timing.get(key, 0.0) + time.perf_counter() - t
+            timing[key + "_host"] = timing.get(key + "_host", 0.0) + host
+            timing[key + "_calls"] = timing.get(key + "_calls", 0) + 1
             return out
 
         return wrapper
