@@ -25,6 +25,7 @@ class ArmResult:
     tokens: int = 0
     step_seconds: list = field(default_factory=list)  # per optimizer step, training time only
     phases: list = field(default_factory=list)  # per optimizer step
+    hook_seconds: list = field(default_factory=list)  # per optimizer step: the clocked hooks and guard (timing.py)
     timing: dict = field(default_factory=dict)  # forward/backward/optimizer seconds
     peak_memory_mb: float = 0.0
     peak_pinned_mb: float | None = None  # pinned host memory held by PyTorch's pinned allocator (CUDA)

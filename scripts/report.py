@@ -67,6 +67,10 @@ def summarize(arm: ArmResult, target: float | None) -> dict:
         "updates_to_target": time_to(arm.evals, target, UPDATES) if target is not None else None,
         "tokens_per_second": tokens_per_step * (arm.steps - undone) / arm.train_seconds,
         "median_real_step_seconds": statistics.median(real) if real else None,
+        # The clocked hooks' and guard's median on a real step: their steady cost, without the run's one-time and rare
+        # costs (the first pinned allocations, a snapshot every 50 steps) that their totals carry.
+        "median_real_step_hook_seconds": statistics.median(
+            h for h, p in zip(arm.hook_seconds, arm.phases) if p != "predict") if arm.hook_seconds and real else None,
         "seconds_per_phase": per_phase,
         "timing": arm.timing,
         "cuda": arm.cuda,
@@ -179,6 +183,11 @@ def print_table(report: dict) -> None:
         print(f"guard time (verdicts and snapshots): {guard_seconds:.2f}s = "
               f"{100 * guard_seconds / real_seconds:.2f}% of real-step time" + _host_part(hybrid_timing, "guard",
                                                                                             real_seconds))
+    hook_median = report["hybrid"][0].get("median_real_step_hook_seconds")
+    if hook_median is not None:
+        step_median = report["hybrid"][0]["median_real_step_seconds"]
+        print(f"hooks and guard on the median real step: {1000 * hook_median:.2f} ms = "
+              f"{100 * hook_median / step_median:.2f}% of the median real step")
     if "lr_readings" in hybrid_timing:
         train_seconds = report["hybrid"][0]["train_seconds"]
         print(f"lr autopilot readings, verdicts and undos: {hybrid_timing['lr_readings']:.2f}s = "

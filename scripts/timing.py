@@ -11,6 +11,7 @@ import torch
 from transformers import TrainerCallback
 
 MEMORY_SAMPLE_EVERY = 100  # steps between samples of the CUDA peak-memory curve
+HOOK_CLOCKS = ("hybrid_hooks_real", "hybrid_hooks_predict", "guard")  # time_hybrid_hooks' clocks
 
 
 def tick(cuda: bool) -> float:
@@ -33,7 +34,7 @@ class TrainingClock(TrainerCallback):
     def __init__(self, trainer, result, target: float | None, stop_at_target: bool, cuda: bool) -> None:
         self.trainer, self.result, self.cuda = trainer, result, cuda
         self.target, self.stop_at_target = target, stop_at_target
-        self.t0 = self.paused = self.last_end = self.step_begin = 0.0
+        self.t0 = self.paused = self.last_end = self.step_begin = self.clocked = 0.0
 
     @property
     def train_seconds(self) -> float:
@@ -49,6 +50,10 @@ class TrainingClock(TrainerCallback):
         now = tick(self.cuda)
         result = self.result
         result.step_seconds.append(now - self.step_begin)
+        clocked = sum(result.timing.get(key, 0.0) for key in HOOK_CLOCKS)
+        if clocked:  # where the hooks are timed: this step's share of their clocks (its end_step hook ran before this)
+            result.hook_seconds.append(clocked - self.clocked)
+            self.clocked = clocked
         engine = getattr(self.trainer, "_hybrid", None)
         result.phases.append(engine.last_record.phase.value if engine is not None else "full")
         if self.cuda and state.global_step % MEMORY_SAMPLE_EVERY == 0:

@@ -93,3 +93,9 @@ def test_the_overhead_mode_runs_both_arms_the_same_larger_steps(tmp_path):
         result = json.loads((root / f"{arm}-0" / "arm_result.json").read_text())
         assert result["steps"] == 8 and result["tokens"] == 8 * 4 * 2 * 32  # steps x batch x accumulation x block
     assert len(report["step_time_ratios"]) == 1 and "median real-step time" in done.stdout
+    # The per-step hook clock is aligned with the steps and adds up to the run's totals of the clocks it splits.
+    hybrid = json.loads((root / "hybrid-0" / "arm_result.json").read_text())
+    clocks = sum(hybrid["timing"].get(k, 0.0) for k in ("hybrid_hooks_real", "hybrid_hooks_predict", "guard"))
+    assert len(hybrid["hook_seconds"]) == 8 and all(s > 0 for s in hybrid["hook_seconds"])
+    assert abs(sum(hybrid["hook_seconds"]) - clocks) < 1e-9
+    assert "hooks and guard on the median real step" in done.stdout
