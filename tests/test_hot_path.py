@@ -1,7 +1,7 @@
 """The hybrid adds at most one device-to-host read to a real step: the rank-averaged loss and gradient norm that the
-engine and the guard decide on; and one more to a step that ends with a reading of the learning-rate autopilot (one
-in 10 to 80 real steps): its three probe losses, and on a learning-rate trial's verdict two more. Counted by patching
-every way a tensor reaches the host."""
+engine and the guard decide on; and two more to a step that ends with a reading of the learning-rate autopilot (one
+in 10 to 80 real steps): the optimizer's step counts and its three probe losses, and on a learning-rate trial's
+verdict two more. Counted by patching every way a tensor reaches the host."""
 
 from __future__ import annotations
 
@@ -68,9 +68,10 @@ def test_a_real_step_makes_at_most_one_host_read_more_than_the_trainers(tmp_path
     assert len(plain_reads) == 1 and len(real) > 20 and len(real) + len(readings) < len(rows)
     plain_count = plain_reads.pop()
     assert max(real) <= plain_count + 1, real
-    # A reading: the library's one read of its three probe losses, and transformers' own read in each of its three
-    # forwards (the packed-sequence check of the causal mask, which the Trainer's forward makes too).
-    assert 1 <= len(readings) <= 4 and max(readings) <= plain_count + 2 + 3, readings
+    # A reading: the library's read of the optimizer's step counts (one bias correction per count) and one of its
+    # three probe losses, and transformers' own read in each of its three forwards (the packed-sequence check of the
+    # causal mask, which the Trainer's forward makes too).
+    assert 1 <= len(readings) <= 4 and max(readings) <= plain_count + 3 + 3, readings
 
 
 def test_a_learning_rate_trial_adds_no_host_read_to_its_real_steps(tmp_path, counter, monkeypatch):
@@ -91,4 +92,4 @@ def test_a_learning_rate_trial_adds_no_host_read_to_its_real_steps(tmp_path, cou
     verdicts = [n for (_, _, _, before), (_, n, reading, _) in zip(rows, rows[1:]) if before and reading]
     # A reading's own (see above), then the verdict's: transformers' read in each of its two forwards (at the raised
     # weights and where the user's LR would have taken them), the library's read of the gain and one of its noise.
-    assert verdicts and max(verdicts) <= plain_count + 2 + 3 + 2 + 2, verdicts
+    assert verdicts and max(verdicts) <= plain_count + 3 + 3 + 2 + 2, verdicts

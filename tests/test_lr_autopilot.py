@@ -9,13 +9,14 @@ import time
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import TrainerCallback
 
 from hf_hybrid import HybridHFTrainer
 from hf_hybrid.engine import HybridEngine
 from hf_hybrid.forward_checks import probe_loss
 from hf_hybrid.lr_scale import LrScale, reach_of_line
-from hf_hybrid.step_line import SPACING, next_step_line
+from hf_hybrid.step_line import SPACING, _move_along_next_step, _step_groups, next_step_line
 from hf_hybrid.trial_verdict import raise_gain
 
 from .conftest import hybrid_args, make_trainer, reject_every_jump, tiny_gpt2, token_dataset
@@ -335,6 +336,57 @@ def test_the_line_runs_along_adams_next_step_and_puts_the_weights_back(tmp_out):
                 p -= 2 * SPACING * lr * m_hat / (v_hat.sqrt() + group["eps"])
     assert f2 == pytest.approx(float(probe_loss(trainer, model, probe)), abs=1e-5)
     assert f1 != f0 and f2 != f1
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _trained_adamw(layers: int, fused: bool) -> torch.optim.AdamW:
+    """AdamW after three steps over `layers` linear layers in two parameter groups, one weight a step behind."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(layers)))
+    weights, biases = [m.weight for m in model], [m.bias for m in model]
+    optimizer = torch.optim.AdamW([{"params": weights, "weight_decay": 0.1}, {"params": biases, "weight_decay": 0.0}],
+                                  lr=1e-3, fused=fused)
+    for _ in range(3):
+        model(torch.randn(4, 16)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    optimizer.state[weights[0]]["step"] -= 1
+    return optimizer
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("lists", [False, True])
+def test_the_move_along_adams_next_step_is_the_per_parameter_formula_in_lists_whose_launches_do_not_grow(fused, lists):
+    moved = {}
+    for layers in (2, 20):
+        optimizer = _trained_adamw(layers, fused)
+        expected = []
+        with torch.no_grad():  # Adam's next step, one parameter at a time, by its own formula
+            for group in optimizer.param_groups:
+                (beta1, beta2), lr = group["betas"], group["lr"]
+                for p in group["params"]:
+                    s = optimizer.state[p]
+                    m_hat = s["exp_avg"] / (1 - beta1 ** s["step"])
+                    denom = (s["exp_avg_sq"] / (1 - beta2 ** s["step"])).sqrt_().add_(group["eps"])
+                    expected.append(p + m_hat.div_(denom).mul_(lr).mul_(-SPACING))
+        step_groups = _step_groups(optimizer, lists)
+        with _CountOps() as ops:
+            _move_along_next_step(step_groups, SPACING)
+        moved[layers] = ops.count
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        assert all(torch.equal(p, e) for p, e in zip(params, expected))
+        # In lists (an accelerator's): the weights at two step counts, the biases at one; else one per parameter.
+        assert len(step_groups) == (3 if lists else 2 * layers)
+    assert (moved[20] == moved[2]) if lists else (moved[20] == 10 * moved[2])
 
 
 def test_a_raise_is_judged_against_where_the_users_lr_would_have_gone_and_the_weights_come_back(tmp_out):
