@@ -33,12 +33,12 @@ torch.cuda.is_available())"
 
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
-# The parts to run, in this order: tests exact ab overhead overhead_ga faults. On an H100 (session 24, runs 180-185)
-# tests took 174 s, exact 67-79 s, overhead 59 s and ab 104 s; faults took about 180 s on an H200 (run 126);
-# overhead_ga has not run (about 150 s by count). Session 24 left open: where the hybrid's time goes in a default run
-# (ab, attributed step by step from work.tgz: the readings, `lr_readings`, are the first suspect), its share of a
-# larger step (overhead_ga), and test_cuda.py's memory test with the slack it now has.
-PARTS=${PARTS:-tests ab overhead_ga}
+# The parts to run, in this order: tests exact ab overhead overhead_ga faults. On an H200 (session 29, runs 250-251)
+# tests took 153 s, ab 111 s, overhead 55-75 s, overhead_ga (150 steps) 157 s and faults 105 s, each with its start-up;
+# a bare machine started in about 30 s. Session 29 left open: the hooks' steady share at one micro-batch a step (the
+# overhead part now prints their median on a real step), and what a reading costs since its moves along Adam's step
+# became multi-tensor lists (955f8d8; the ab and overhead parts print the readings' share).
+PARTS=${PARTS:-overhead ab tests}
 part() {  # part NAME SECONDS COMMAND...: runs COMMAND with a limit, its log in $OUT/NAME.log
   local name=$1 limit=$2 start rc
   shift 2
