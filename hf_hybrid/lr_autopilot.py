@@ -31,12 +31,13 @@ logger = logging.get_logger(__name__)
 
 # Real steps between two readings while a raise is asked for, judged or building up (a steady reach takes several
 # readings of a step or more): early enough to raise in the first tens of steps, where a too-small LR costs the most.
-# A reading costs three forwards (1.2-2.7 steps on a CPU), so one that asks for nothing and leaves no steady reach
-# within reach doubles the gap, up to MAX_READ_EVERY. Lines of 0-1 steps (tuned runs) count as no line: GPT-2 124M from
-# scratch on a GPU, which never raised, kept a reading every 10-13 steps, 6-8% of the run, while such lines kept the
-# gap at 10 (docs/benchmarks.md, runs 184-185). The end line says what the readings cost.
+# A reading costs three forwards (1.2-2.7 steps on a CPU; 68-117 ms against a 44 ms step at GPT-2 124M on a GPU), so
+# one that asks for nothing and leaves no steady reach within reach doubles the gap, without a bound: a tuned run
+# reads about log2(steps) times. Capped at 80 steps, the readings took 4.4% of a 600-step GPT-2 124M run on a GPU that
+# never raised (docs/benchmarks.md, run 250), and would take 2-3% of any longer one. Lines of 0-1 steps (tuned runs)
+# count as no line. The late raises on record in tuned runs (a steady reach at cpu-small's own LR, runs 191 and 200)
+# were undone by their verdicts. The end line says what the readings cost.
 READ_EVERY = 10
-MAX_READ_EVERY = 80
 # No raise starts in the first steps after the schedule's warmup either: a run from scratch is still in its first
 # descent there, which reads long at any LR. On cpu-small (20 warmup steps) at its own LR the line read 8.2-8.6 steps
 # at step 20 and 4.3-5.3 at 25, then 0-1.9 from step 30 (seeds 0-2); a raise at step 21 ended that run 0.28 above the
@@ -146,7 +147,7 @@ class LrAutopilot:
                                      trial_paid=scale.on_trial and self._raise_paid())
             self.last_reading = step
             busy = decision in ("raise", "keep") or scale.on_trial or not had_rate or scale.evidence_building
-            self.read_every = READ_EVERY if busy else min(2 * self.read_every, MAX_READ_EVERY)
+            self.read_every = READ_EVERY if busy else 2 * self.read_every
             if decision == "raise":
                 self.guard_loop.snapshot_asked = True  # the undo point: before the first update at the new scale
             elif decision == "undo":

@@ -1,6 +1,6 @@
 """The hybrid adds at most one device-to-host read to a real step: the rank-averaged loss and gradient norm that the
 engine and the guard decide on; and two more to a step that ends with a reading of the learning-rate autopilot (one
-in 10 to 80 real steps): the optimizer's step counts and its three probe losses, and on a learning-rate trial's
+in 10 or more real steps): the optimizer's step counts and its three probe losses, and on a learning-rate trial's
 verdict two more. Counted by patching every way a tensor reaches the host."""
 
 from __future__ import annotations

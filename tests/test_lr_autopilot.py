@@ -454,12 +454,13 @@ def train_noting_readings(trainer: HybridHFTrainer) -> list[int]:
 
 def test_readings_that_ask_for_nothing_come_less_often(tmp_out, monkeypatch):
     """Every reading sees a short line: after the first two (no progress to compare yet, then nothing asked), the gap
-    between readings doubles up to its cap, so a tuned LR pays for few of them."""
+    between readings doubles without a bound, so a tuned LR pays for about log2(steps) of them."""
     monkeypatch.setattr(LrScale, "reading", lambda self, f0, f1, f2, **kwargs: setattr(self, "last_loss", f0))
-    trainer = make_trainer(tmp_out, learning_rate=1e-4, lr_scheduler_type="constant", **{**OUTER, "max_steps": 300})
+    trainer = make_trainer(tmp_out, learning_rate=1e-4, lr_scheduler_type="constant", **{**OUTER, "max_steps": 340})
     read_at = train_noting_readings(trainer)
     gaps = [b - a for a, b in zip(read_at, read_at[1:])]
-    assert gaps[:5] == [10, 20, 40, 80, 80], read_at
+    # A due reading waits for a real step with no jump open, so a gap can run a step over.
+    assert gaps[:4] == [10, 20, 40, 80] and 160 <= gaps[4] <= 162 and len(gaps) == 5, read_at
 
 
 def test_readings_keep_coming_soon_only_while_a_steady_reach_could_complete():
