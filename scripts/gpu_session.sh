@@ -3,7 +3,7 @@
 # that a slow or failing part leaves the rest their turn. Logs and reports go to $OUT (default /tmp/gpu_out).
 #
 #   bash scripts/gpu_session.sh            # on the GPU machine, from the repository root
-#   PARTS="ab faults" bash scripts/gpu_session.sh   # some of the parts: tests exact ab overhead faults
+#   PARTS="ab faults" bash scripts/gpu_session.sh   # some of the parts: tests exact ab overhead overhead_ga jumps faults
 #   PRESET=smoke bash scripts/gpu_session.sh   # a dry run of the same commands on a CPU (the CUDA tests skip)
 #
 # Wheels the machine lacks (datasets and its needs, the transformers version tested here) travel in .whl/ (named in
@@ -33,12 +33,13 @@ torch.cuda.is_available())"
 
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
-# The parts to run, in this order: tests exact ab overhead overhead_ga faults. On an H200 (session 29, runs 250-251)
+# The parts to run, in this order: tests exact ab overhead overhead_ga jumps faults. On an H200 (session 29, runs 250-251)
 # tests took 153 s, ab 111 s, overhead 55-75 s, overhead_ga (150 steps) 157 s and faults 105 s, each with its start-up;
 # a bare machine started in about 30 s. Session 29 left open: the hooks' steady share at one micro-batch a step (the
 # overhead part now prints their median on a real step), and what a reading costs since its moves along Adam's step
-# became multi-tensor lists (955f8d8; the ab and overhead parts print the readings' share).
-PARTS=${PARTS:-overhead ab tests}
+# became multi-tensor lists (955f8d8; the ab and overhead parts print the readings' share), and what a jump costs there
+# (the jumps part: no GPU run at 6e-4 has tried one).
+PARTS=${PARTS:-overhead ab jumps tests}
 part() {  # part NAME SECONDS COMMAND...: runs COMMAND with a limit, its log in $OUT/NAME.log
   local name=$1 limit=$2 start rc
   shift 2
@@ -63,6 +64,10 @@ part overhead "${T_OVERHEAD:-75}" $PY scripts/benchmark.py --preset "$PRESET" --
 # share of a larger step, with the autopilot's probe still one micro-batch.
 part overhead_ga "${T_OVERHEAD_GA:-200}" $PY scripts/benchmark.py --preset "$PRESET" --mode overhead --repeats 1 \
   --max_steps "${OVERHEAD_STEPS:-200}" --grad_accum 8 --output_dir "$WORK/overhead_ga"
+# The defaults forced to predict wherever they may (`--mode memory`): what a jump costs on a GPU, where moving the
+# outer state in and out (3P in, more for a kept jump) is the part no CPU run shows; also the device peak over the run.
+part jumps "${T_JUMPS:-120}" $PY scripts/benchmark.py --preset "$PRESET" --mode memory --repeats 1 \
+  --max_steps "${JUMP_STEPS:-300}" --output_dir "$WORK/jumps"
 part faults "${T_FAULTS:-180}" $PY scripts/benchmark.py --preset "$PRESET" --mode faults --full_determinism \
   --max_steps "${FAULT_STEPS:-300}" --output_dir "$WORK/faults"
 # The parts' reports, each arm's per-step seconds and phases (arm_result.json) and the hybrid's step traces, in one

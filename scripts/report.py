@@ -194,6 +194,11 @@ def print_table(report: dict) -> None:
               f"{100 * hybrid_timing['lr_readings'] / train_seconds:.2f}% of training time")
     print("hybrid seconds per phase: " + ", ".join(
         f"{k} {v:.1f}" for k, v in report["hybrid"][0]["seconds_per_phase"].items()))
+    predicted = (report["hybrid"][0]["hybrid_stats"] or {}).get("phase_steps", {}).get("predict", 0)
+    if predicted:  # with `outer`, a whole jump: the outer state's copies in and out, the probe's forward, the delta
+        seconds = report["hybrid"][0]["seconds_per_phase"].get("predict", 0.0)
+        print(f"predicted steps: {predicted}, {1000 * seconds / predicted:.1f} ms each, against a median real step of "
+              f"{1000 * report['hybrid'][0]['median_real_step_seconds']:.1f} ms")
     if report["mode"] == "memory":
         print_memory(report)
     elif report["mode"] == "overhead":
