@@ -16,6 +16,10 @@ Step time is measured under glibc's default allocator too, where the hybrid's ex
 and with it how often the large activations and gradients are mapped and unmapped (runs 13-14). `--tuned_allocator`
 runs both arms with the benchmark's raised mmap and trim thresholds (`TUNED_HOST_ALLOCATOR`), for step times that
 compare the work done; the peak resident memory it reports then includes freed memory the allocator kept.
+
+`--count_ops` counts the operators PyTorch dispatches in each step (each a kernel launch or a copy on a GPU, where
+their host cost is what a host-bound step pays) and reports the hybrid's per kind of step beside the Trainer's. The
+counting slows every operator, so its step and hook times are not comparable with a run without it.
 """
 
 from __future__ import annotations
@@ -37,9 +41,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from presets import TUNED_HOST_ALLOCATOR  # noqa: E402
 
 
-def run_arm(arm: str, steps: int, warmup: int, period: int, output_dir: str) -> dict:
+def run_arm(arm: str, steps: int, warmup: int, period: int, output_dir: str, count_ops: bool) -> dict:
     import torch
     from model_and_data import build_model_and_data
+    from torch.utils._python_dispatch import TorchDispatchMode
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from hf_hybrid import HybridHFTrainer, HybridTrainingArguments
@@ -62,16 +67,25 @@ def run_arm(arm: str, steps: int, warmup: int, period: int, output_dir: str) -> 
                                 (HybridMixin, "_hybrid_before_optimizer_step", 1)):
             setattr(cls, name, _timed(getattr(cls, name), hook_seconds, sign))
 
+    ops = [0]
+
+    class CountedOps(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops[0] += 1
+            return func(*args, **(kwargs or {}))
+
+    step_ops: list[int] = []
     step_seconds: list[float] = []
     step_kinds: list[str] = []  # the hybrid's: the phase, and whether the step took a reading or a guard snapshot
     hook_per_real_step: list[float] = []
 
     class Clock(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
-            self.t, self.hooks = time.perf_counter(), hook_seconds[0]
+            self.t, self.hooks, self.ops = time.perf_counter(), hook_seconds[0], ops[0]
 
         def on_step_end(self, args, state, control, **kwargs):
             step_seconds.append(time.perf_counter() - self.t)
+            step_ops.append(ops[0] - self.ops)
             engine = getattr(trainer, "_hybrid", None)
             if engine is None:
                 return
@@ -83,7 +97,11 @@ def run_arm(arm: str, steps: int, warmup: int, period: int, output_dir: str) -> 
             step_kinds.append("+".join([engine.last_record.phase.value, *(k for k, on in extras if on)]))
 
     trainer.add_callback(Clock())
-    trainer.train()
+    if count_ops:
+        with CountedOps():
+            trainer.train()
+    else:
+        trainer.train()
     checkpoint = Path(output_dir) / f"checkpoint-{trainer.state.global_step}"
     files = {f.name: f.stat().st_size for f in checkpoint.iterdir() if f.is_file()}
     stats = trainer.hybrid_stats() if arm == "hybrid" else {}
@@ -94,7 +112,7 @@ def run_arm(arm: str, steps: int, warmup: int, period: int, output_dir: str) -> 
         "checkpoint_files": files,
         "hybrid_checkpoint_bytes": sum(v for k, v in files.items() if k.startswith("hybrid")),
         "median_step_seconds": statistics.median(step_seconds[1:]), "step_seconds": step_seconds,
-        "step_kinds": step_kinds,
+        "step_kinds": step_kinds, "step_ops": step_ops if count_ops else None,
         "hook_seconds_per_real_step": hook_per_real_step, "stats": stats,
     }
 
@@ -109,6 +127,16 @@ def _timed(method, total: list[float], sign: int):
     return call
 
 
+def _ops_added_by_kind(hybrid: dict, plain: dict) -> dict:
+    """The hybrid's operators per step past the Trainer's median step, for each kind of step: [min, median, max]. The
+    first step is left out of both: it also pays for the run's setup."""
+    base = statistics.median(plain["step_ops"][1:])
+    by_kind: dict[str, list[int]] = {}
+    for n, kind in zip(hybrid["step_ops"][1:], hybrid["step_kinds"][1:]):
+        by_kind.setdefault(kind, []).append(n - base)
+    return {kind: [min(v), statistics.median(v), max(v)] for kind, v in by_kind.items()} | {"trainer_step": base}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=40)
@@ -117,12 +145,13 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=1, help="plain/hybrid pairs, run alternately")
     parser.add_argument("--out", default=None)
     parser.add_argument("--tuned_allocator", action="store_true", help="both arms under TUNED_HOST_ALLOCATOR")
+    parser.add_argument("--count_ops", action="store_true", help="count the operators dispatched per step (slower)")
     parser.add_argument("--arm", choices=["plain", "hybrid"], help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.arm:
         with tempfile.TemporaryDirectory() as tmp:
-            result = run_arm(args.arm, args.steps, args.warmup, args.period, tmp)
+            result = run_arm(args.arm, args.steps, args.warmup, args.period, tmp, args.count_ops)
         Path(args.result).write_text(json.dumps(result))
         return
     runs = []
@@ -130,7 +159,8 @@ def main() -> None:
         for arm in ("plain", "hybrid"):
             with tempfile.NamedTemporaryFile(suffix=".json") as out:
                 subprocess.run([sys.executable, __file__, "--arm", arm, "--result", out.name, "--steps",
-                                str(args.steps), "--warmup", str(args.warmup), "--period", str(args.period)],
+                                str(args.steps), "--warmup", str(args.warmup), "--period", str(args.period),
+                                *(["--count_ops"] if args.count_ops else [])],
                                check=True, env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
                                                 **(TUNED_HOST_ALLOCATOR if args.tuned_allocator else {})})
                 runs.append(json.loads(Path(out.name).read_text()))
@@ -155,6 +185,8 @@ def main() -> None:
             s for s, kind in zip(h["step_seconds"][1:], h["step_kinds"][1:]) if kind in ("warmup", "full", "correct")
         ) / q["median_step_seconds"] for h, q in zip(hybrid, plain)],
     }
+    if args.count_ops:
+        summary["ops_added_per_step_by_kind"] = _ops_added_by_kind(hybrid[0], plain[0])
     print(json.dumps(summary, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "summary": summary, "runs": runs},

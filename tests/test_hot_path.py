@@ -1,17 +1,19 @@
 """The hybrid adds at most one device-to-host read to a real step: the rank-averaged loss and gradient norm that the
 engine and the guard decide on; and two more to a step that ends with a reading of the learning-rate autopilot (one
 in 10 or more real steps): the optimizer's step counts and its three probe losses, and on a learning-rate trial's
-verdict two more. Counted by patching every way a tensor reaches the host."""
+verdict two more. Counted by patching every way a tensor reaches the host. The operators it adds to a real step (each
+a kernel launch on a GPU) are a few, whatever the model's size: counted by a dispatch mode."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Trainer, TrainerCallback
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback
 
 from hf_hybrid import Phase
 
-from .conftest import hybrid_args, make_trainer, tiny_gpt2, token_dataset
+from .conftest import BLOCK, VOCAB, hybrid_args, make_trainer, tiny_gpt2, token_dataset
 
 HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "cpu", "numpy")
 
@@ -93,3 +95,52 @@ def test_a_learning_rate_trial_adds_no_host_read_to_its_real_steps(tmp_path, cou
     # A reading's own (see above), then the verdict's: transformers' read in each of its two forwards (at the raised
     # weights and where the user's LR would have taken them), the library's read of the gain and one of its noise.
     assert verdicts and max(verdicts) <= plain_count + 3 + 3 + 2 + 2, verdicts
+
+
+class CountedOps(TorchDispatchMode):
+    """Every operator PyTorch dispatches: on a GPU each is a kernel launch or a copy, paid for in host time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = [0]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count[0] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def gpt2_of_depth(layers: int) -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=BLOCK, n_embd=32, n_layer=layers, n_head=2,
+                                      bos_token_id=0, eos_token_id=0))
+
+
+def ops_per_step(trainer) -> list[tuple]:
+    ops = CountedOps()
+    with ops:
+        return reads(trainer, ops.count)
+
+
+@pytest.mark.parametrize("layers", [2, 8])
+def test_the_operators_a_real_step_adds_do_not_grow_with_the_model(tmp_path, layers):
+    """A loop over the parameters on the hot path would cost a kernel launch per parameter per step on a GPU (148 at
+    GPT-2 124M). Once the first cycle has made its buffers (one tensor at a time, once per run), every real step adds
+    the same few operators to the Trainer's at any depth: cycle starts and guard snapshots copy in one multi-tensor
+    call here, on one device (on a GPU the copies to pinned memory go a tensor at a time, once per outer period). An
+    autopilot reading (three forwards and two moves along the optimizer's step, one in 10 or more real steps) is the
+    exception."""
+    common = dict(max_steps=40, logging_steps=1000, max_grad_norm=1.0)
+    plain = Trainer(model=gpt2_of_depth(layers), args=hybrid_args(tmp_path / "plain", **common),
+                    train_dataset=token_dataset())
+    plain_ops = {n for _, n, _, _ in ops_per_step(plain)}
+    hybrid = make_trainer(tmp_path / "hybrid", model=gpt2_of_depth(layers), hybrid_predictor="outer",
+                          hybrid_outer_period=5, hybrid_guard_window=16, hybrid_guard_snapshot_steps=5, **common)
+    rows = ops_per_step(hybrid)
+    first_jump = next(i for i, (phase, _, _, _) in enumerate(rows) if phase is Phase.PREDICT)
+    assert len(plain_ops) == 1
+    plain_count = plain_ops.pop()
+    added = [n - plain_count for phase, n, reading, _ in rows[first_jump:]
+             if phase is not Phase.PREDICT and not reading]
+    stats = hybrid.hybrid_stats()
+    assert len(added) > 20 and stats["predict_steps"] >= 4 and stats["guard_outliers"] == 0, stats
+    assert max(added) <= 12, added
