@@ -18,6 +18,7 @@ from transformers.utils import logging
 from .divergence import non_finite
 from .forward_checks import training_step_loss
 from .guard import Action, GuardEvent, StepGuard
+from .host_memory import available_host_bytes, host_memory_warning, ranks_on_this_machine, rollback_state_bytes
 from .replay import Unit, move_unit
 from .rng import forked_rng
 from .snapshot import TrainingSnapshot, rng_state
@@ -57,6 +58,7 @@ class GuardAtLoop:
         # The RNG at the start of the real step under way, when a trial's undo point is due in it: an undone trial
         # trains that step again on its own batch (replay.py), and must draw the same dropout masks.
         self.step_rng: dict | None = None
+        self.memory_checked = False  # at the first snapshot, where the optimizer's state exists
         if saved is not None:
             self.guard.load_state_dict(saved["stats"])
             reference = saved["reference"]
@@ -120,10 +122,20 @@ class GuardAtLoop:
                              trainer._hybrid_steps.schedule_state(), on_held_weights=not own,
                              held_weights=engine.predictor.held_weights(), rng=self.step_rng)
             self.snapshot_asked = False
+            if not self.memory_checked:
+                self._check_host_memory()
             if self.snapshot_held:  # a learning-rate trial's undo point: its batches are recorded from this step on
                 engine.replay.begin_trial()
         elif cycle_started and snapshot.on_held_weights:
             snapshot.invalidate()  # its weights were the anchor, which just moved
+
+    def _check_host_memory(self) -> None:
+        self.memory_checked = True
+        engine = self.trainer._hybrid
+        size = rollback_state_bytes(engine.predictor, self.snapshot, engine.params)
+        line = host_memory_warning(size, available_host_bytes(), ranks_on_this_machine(self.snapshot.replicated))
+        if line is not None and self.trainer.args.local_process_index == 0:
+            logger.warning(line)
 
     def _reference_signals(self, model) -> tuple[torch.Tensor, torch.Tensor]:
         """Loss and gradient norm of the last accepted step's batches at the current weights, over its whole

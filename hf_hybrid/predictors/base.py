@@ -95,6 +95,12 @@ class Predictor(ABC):
         starts uses it instead of a copy of its own."""
         return None
 
+    def host_buffers(self) -> tuple[int, list[Tensor]]:
+        """The state it keeps in host memory (pinned on an accelerator) on this rank: how many copies of the
+        parameters it may hold at most, and the buffers it holds now. A stepwise predictor keeps its state beside the
+        parameters."""
+        return 0, []
+
     @abstractmethod
     def apply_(self, lr: float) -> None:
         """Apply one predicted step to the parameters' local shards, in place."""

@@ -93,6 +93,9 @@ class OuterMomentumPredictor(Predictor):
     def held_weights(self) -> list[Tensor] | None:
         return self.anchor if self.keeps_weights else None
 
+    def host_buffers(self) -> tuple[int, list[Tensor]]:
+        return (2 if self.holds_state else 0), [*(self.anchor or []), *self.buf]  # the anchor, the momentum
+
     @torch.no_grad()
     def load_anchor(self) -> None:
         """Put the anchor's weights into the parameters (every rank), for the probe's loss at the cycle's start."""
