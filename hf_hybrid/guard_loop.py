@@ -18,7 +18,7 @@ from transformers.utils import logging
 from .divergence import non_finite
 from .forward_checks import training_step_loss
 from .guard import Action, GuardEvent, StepGuard
-from .host_memory import available_host_bytes, host_memory_warning, ranks_on_this_machine, rollback_state_bytes
+from .host_memory import available_host_bytes, host_memory_warning, local_ranks, rollback_state_bytes
 from .replay import Unit, move_unit
 from .rng import forked_rng
 from .snapshot import TrainingSnapshot, rng_state
@@ -131,9 +131,8 @@ class GuardAtLoop:
 
     def _check_host_memory(self) -> None:
         self.memory_checked = True
-        engine = self.trainer._hybrid
-        size = rollback_state_bytes(engine.predictor, self.snapshot, engine.params)
-        line = host_memory_warning(size, available_host_bytes(), ranks_on_this_machine(self.snapshot.replicated))
+        size = rollback_state_bytes(self.trainer._hybrid, self.snapshot)
+        line = host_memory_warning(size, available_host_bytes(), local_ranks(), self.snapshot.replicated)
         if line is not None and self.trainer.args.local_process_index == 0:
             logger.warning(line)
 

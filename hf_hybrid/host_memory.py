@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .predictors.base import Predictor, local_shard
+from .predictors.base import local_shard
 from .snapshot import TrainingSnapshot
 
 _GB = 1e9
@@ -43,33 +43,45 @@ def available_host_bytes() -> int | None:
 
 
 def _cgroup_headroom() -> int | None:
-    """The cgroup's limit minus its usage, with the inactive page cache (which the kernel reclaims before it kills
-    anything) counted as free; v2 or v1."""
+    """The least, over this process's memory cgroup and its ancestors (a limit may be set on a job above its tasks),
+    of the limit minus the usage, with the inactive page cache (which the kernel reclaims before it kills anything)
+    counted as free; v2 or v1. None where no limit is set or none can be read."""
     try:
         lines = _OWN_CGROUPS.read_text().splitlines()
     except OSError:
         return None
+    headrooms = []
     for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if controllers == "":  # v2
+        fields = line.split(":", 2)
+        if len(fields) != 3:
+            continue
+        if fields[1] == "":  # v2
             names, root = ("memory.max", "memory.current", "inactive_file"), _CGROUP_ROOT
-        elif "memory" in controllers.split(","):  # v1
+        elif "memory" in fields[1].split(","):  # v1
             names = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
             root = _CGROUP_ROOT / "memory"
         else:
             continue
         # Inside a container the path is often the host's, with the container's own cgroup mounted at the root.
-        for folder in (root / path.lstrip("/"), root):
-            try:
-                limit_text = (folder / names[0]).read_text().strip()
-                usage = int((folder / names[1]).read_text())
-                stats = dict(row.split() for row in (folder / "memory.stat").read_text().splitlines())
-            except (OSError, ValueError):
-                continue
-            if limit_text == "max" or int(limit_text) >= 1 << 60:  # no limit
-                return None
-            return int(limit_text) - usage + int(stats.get(names[2], 0))
-    return None
+        folder = root / fields[2].lstrip("/")
+        for level in [folder, *folder.parents]:
+            if level == root or root in level.parents:
+                headroom = _level_headroom(level, names)
+                if headroom is not None:
+                    headrooms.append(headroom)
+    return min(headrooms) if headrooms else None
+
+
+def _level_headroom(folder: Path, names: tuple[str, str, str]) -> int | None:
+    try:
+        limit_text = (folder / names[0]).read_text().strip()
+        if limit_text == "max" or int(limit_text) >= 1 << 60:  # no limit at this level
+            return None
+        usage = int((folder / names[1]).read_text())
+        stats = dict(row.split() for row in (folder / "memory.stat").read_text().splitlines())
+        return int(limit_text) - usage + int(stats.get(names[2], 0))
+    except (OSError, ValueError):
+        return None
 
 
 class RollbackStateBytes(NamedTuple):
@@ -77,42 +89,49 @@ class RollbackStateBytes(NamedTuple):
     held: int  # what it holds now
     guard: int  # the guard's part of `at_most`
     params: int  # the parameters' bytes on this rank, the unit
+    every_rank: int = 0  # the part of `at_most` that every rank holds alike, even where rank 0 keeps the rest for all
 
 
-def rollback_state_bytes(predictor: Predictor, snapshot: TrainingSnapshot, params: list[Tensor]) -> RollbackStateBytes:
-    """On this rank: the predictor's host copies, the guard's copies of the optimizer's state (exact once it has taken
-    them) and the guard's own copy of the weights."""
-    param_bytes = sum(_nbytes(local_shard(p)) for p in params)
-    copies, buffers = predictor.host_buffers()
+def rollback_state_bytes(engine, snapshot: TrainingSnapshot) -> RollbackStateBytes:
+    """On this rank: the predictor's host copies (none once it is released), the guard's copies of the optimizer's
+    state (exact once it has taken them), the guard's own copy of the weights, and on an accelerator with
+    `--hybrid_offload_snapshot` the jump's undo copy."""
+    shards = [local_shard(p) for p in engine.params]
+    param_bytes = sum(_nbytes(t) for t in shards)
+    copies, buffers = engine.predictor.host_buffers()
     held, guard = sum(_nbytes(t) for t in buffers), 0
     if snapshot.holds_copy:
         state = snapshot.optimizer_state.tensors or []
         guard = param_bytes + sum(_nbytes(t) for t in state)
         own = [] if snapshot.weights.adopted else snapshot.weights.tensors or []
         held += sum(_nbytes(t) for t in [*state, *own])
-    return RollbackStateBytes(copies * param_bytes + guard, held, guard, param_bytes)
+    undo = param_bytes if engine.snapshot.on_host and shards and shards[0].device.type != "cpu" else 0
+    held += undo if engine.snapshot.tensors is not None else 0
+    return RollbackStateBytes(copies * param_bytes + guard + undo, held, guard, param_bytes, undo)
 
 
-def host_memory_warning(size: RollbackStateBytes, available: int | None, ranks_on_machine: int = 1) -> str | None:
-    """One line when the rest of the rollback state, on every rank of this machine that holds it alike, may not fit
-    in the host memory available; None when it fits or cannot be told."""
-    more = (size.at_most - size.held) * ranks_on_machine
+def host_memory_warning(size: RollbackStateBytes, available: int | None, ranks_on_machine: int = 1,
+                        replicated: bool = False) -> str | None:
+    """One line when the rest of the rollback state of this machine's ranks may not fit in the host memory available;
+    None when it fits or cannot be told. `replicated`: rank 0 keeps the state for all (DDP), so the machine's other
+    ranks hold only their `every_rank` part."""
+    holders = 1 if replicated else ranks_on_machine
+    more = (size.at_most - size.held) * holders + size.every_rank * (ranks_on_machine - holders)
     if available is None or more <= available:
         return None
-    ranks = f" on each of this machine's {ranks_on_machine} ranks" if ranks_on_machine > 1 else ""
-    return (f"hf_hybrid: the guard's rollback snapshot and the outer predictor's state can take up to "
-            f"{size.at_most / _GB:.1f} GB of host memory{ranks} ({size.at_most / size.params:.1f}x the parameters' "
-            f"{size.params / _GB:.2f} GB), {more / _GB:.1f} GB more than now, after a save, through a learning-rate "
-            f"trial or in a cycle longer than --hybrid_guard_snapshot_steps; this machine has {available / _GB:.1f} GB "
-            f"available, so the run may be killed for memory then. Free host memory, or pass "
-            f"--hybrid_guard_snapshot_steps 0: the guard then keeps no snapshot ({size.guard / _GB:.1f} GB less) and "
-            f"only skips steps.")
+    machine = f"this machine's {ranks_on_machine} ranks need" if ranks_on_machine > 1 else "that is"
+    return (f"hf_hybrid: the rollback state (the guard's snapshot, the outer predictor's anchor and momentum) can take "
+            f"up to {size.at_most / _GB:.1f} GB of host memory on this rank ({size.at_most / size.params:.1f}x the "
+            f"parameters' {size.params / _GB:.2f} GB); {machine} {more / _GB:.1f} GB more than now, after a save, "
+            f"through a learning-rate trial or in a cycle longer than --hybrid_guard_snapshot_steps, and this machine "
+            f"has {available / _GB:.1f} GB available, so the run may be killed for memory then. Free host memory, or "
+            f"pass --hybrid_guard_snapshot_steps 0: the guard then keeps no snapshot ({size.guard / _GB:.1f} GB less "
+            f"a rank) and only skips steps.")
 
 
-def ranks_on_this_machine(replicated: bool) -> int:
-    """How many ranks of this machine hold rollback state like this one: one where rank 0 keeps it for all (DDP),
-    else every rank its own (FSDP2: its shards)."""
-    return 1 if replicated else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+def local_ranks() -> int:
+    """The ranks on this machine, as torchrun (and so `accelerate launch`) sets them."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
 def _nbytes(t: Tensor) -> int:

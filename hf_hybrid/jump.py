@@ -65,8 +65,12 @@ class JumpLifecycle:
             self.controller.planned_predict_steps
         )
 
-    def apply_prediction(self, lr: float) -> None:
-        self.predictor.apply_(lr)
+    def apply_prediction(self, lr: float, at_anchor: bool = False) -> None:
+        """`at_anchor`: the parameters hold the outer predictor's anchor, and the jump starts from the undo copy."""
+        if at_anchor:
+            self.predictor.apply_(lr, start=self.snapshot.tensors)
+        else:
+            self.predictor.apply_(lr)
 
     def set_probe(self, inputs: dict, loss: float, rows: torch.Tensor | None) -> None:
         """Keep the probe batch, its loss and its sequences' losses at the weights before the phase's first delta."""

@@ -26,13 +26,15 @@ def predict_training_step(trainer: Trainer, model: torch.nn.Module, inputs: dict
     # Counted as the Trainer counts the step's tokens, the probe's loss is on the scale of the real steps' losses.
     probe_items = num_items_in_batch if probe_is_the_step else None
     if first_micro_batch:
+        at_anchor = False
         if engine.starts_prediction and trainer.hybrid_settings.hybrid_payoff_check:
             probe = trainer._prepare_inputs(inputs)
             loss, rows = probe_loss_by_sequence(trainer, model, probe, probe_items)
             engine.set_probe(probe, trainer._hybrid_reduce(loss)[0], rows)
             if getattr(engine.predictor, "cycle_steps", None) is not None:
                 engine.set_cycle_start(anchor_loss(trainer, model, engine, probe_items))
-        engine.apply_prediction(trainer._hybrid_lr())
+                at_anchor = True
+        engine.apply_prediction(trainer._hybrid_lr(), at_anchor)
     rows_after = None
     if probe_is_the_step and engine.probe is not None:
         loss, rows_after = probe_loss_by_sequence(trainer, model, engine.probe, probe_items)
@@ -70,12 +72,10 @@ def paired_noise(trainer: Trainer, before: torch.Tensor | None, after: torch.Ten
 
 @torch.no_grad()
 def anchor_loss(trainer: Trainer, model: torch.nn.Module, engine, probe_items: torch.Tensor | int | None) -> float:
-    """The probe's loss at the outer cycle's start (the anchor A): one in-place move of the weights and one forward;
-    the weights come back bit for bit from the jump's undo copy, taken at the step's start."""
-    shards = engine._shards()
+    """The probe's loss at the outer cycle's start (the anchor A): one in-place move of the weights and one forward.
+    The weights stay at A, where the jump reads it, so it is not brought from host memory twice."""
     engine.predictor.load_anchor()
     loss = probe_loss(trainer, model, engine.probe, probe_items)
-    engine.snapshot.restore(shards)
     return trainer._hybrid_reduce(loss)[0]
 
 

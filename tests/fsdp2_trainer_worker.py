@@ -36,10 +36,10 @@ class PredictWatch(TrainerCallback):
         engine = self.trainer._hybrid
         apply = engine.apply_prediction
 
-        def counted(lr):
+        def counted(*args, **kwargs):
             counter = CollectiveCounter()
             with counter:
-                apply(lr)
+                apply(*args, **kwargs)
             self.collectives += counter.count
             self.applied += 1
 

@@ -29,7 +29,7 @@ class HostBytes(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         engine, guard = self.trainer._hybrid, self.trainer._guard_loop
-        self.rows.append(rollback_state_bytes(engine.predictor, guard.snapshot, engine.params))
+        self.rows.append(rollback_state_bytes(engine, guard.snapshot))
 
 
 def long_cycles(tmp_path, **overrides):
@@ -62,7 +62,7 @@ def test_a_run_whose_rollback_state_may_not_fit_is_told_once(tmp_path, monkeypat
         long_cycles(tmp_path / "short").train()
     lines = [r.getMessage() for r in caplog.records if "killed for memory" in r.getMessage()]
     assert len(lines) == 1, lines
-    assert "up to 0.0 GB of host memory (5.0x the parameters'" in lines[0]
+    assert "up to 0.0 GB of host memory on this rank (5.0x the parameters'" in lines[0]
     assert "this machine has 0.0 GB available" in lines[0] and "--hybrid_guard_snapshot_steps 0" in lines[0]
     caplog.clear()
     monkeypatch.setattr("hf_hybrid.guard_loop.available_host_bytes", lambda: 10**15)
@@ -71,16 +71,27 @@ def test_a_run_whose_rollback_state_may_not_fit_is_told_once(tmp_path, monkeypat
     assert not [r for r in caplog.records if "killed for memory" in r.getMessage()]
 
 
-def test_every_rank_of_a_machine_counts_under_fsdp2_and_one_under_ddp(monkeypatch):
-    size = host_memory.RollbackStateBytes(at_most=5_000_000_000, held=3_000_000_000, guard=3_000_000_000,
-                                          params=1_000_000_000)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    sharded = host_memory.ranks_on_this_machine(replicated=False)
-    assert host_memory.host_memory_warning(size, 16 * 10**9, sharded) is None
-    line = host_memory.host_memory_warning(size, 15 * 10**9, sharded)
-    assert "on each of this machine's 8 ranks" in line and "16.0 GB more than now" in line
-    assert host_memory.host_memory_warning(size, 2 * 10**9, host_memory.ranks_on_this_machine(replicated=True)) is None
-    assert host_memory.host_memory_warning(size, None, sharded) is None  # cannot be told: say nothing
+def test_the_guard_alone_holds_no_outer_state(tmp_path):
+    """With no prediction the outer predictor is released at the start: the bound is the guard's alone (3P)."""
+    trainer = long_cycles(tmp_path, hybrid_predict=False)
+    trainer.train()
+    size = rollback_state_bytes(trainer._hybrid, trainer._guard_loop.snapshot)
+    assert size.at_most == size.guard == 3 * size.params and size.held <= size.at_most
+
+
+def test_every_rank_of_a_machine_counts_under_fsdp2_and_one_under_ddp():
+    gb = 10**9
+    size = host_memory.RollbackStateBytes(at_most=5 * gb, held=3 * gb, guard=3 * gb, params=gb)
+    assert host_memory.host_memory_warning(size, 16 * gb, ranks_on_machine=8) is None
+    line = host_memory.host_memory_warning(size, 15 * gb, ranks_on_machine=8)
+    assert "this machine's 8 ranks need 16.0 GB more than now" in line and "has 15.0 GB available" in line
+    assert host_memory.host_memory_warning(size, 2 * gb, ranks_on_machine=8, replicated=True) is None
+    assert host_memory.host_memory_warning(size, None, ranks_on_machine=8) is None  # cannot be told: say nothing
+    # An undo copy kept in host memory (--hybrid_offload_snapshot) is every rank's, even where rank 0 keeps the rest.
+    offloaded = size._replace(at_most=6 * gb, every_rank=gb)
+    assert host_memory.host_memory_warning(offloaded, 10 * gb, ranks_on_machine=8, replicated=True) is None
+    assert "need 10.0 GB more" in host_memory.host_memory_warning(offloaded, 9 * gb, ranks_on_machine=8,
+                                                                  replicated=True)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -89,26 +100,39 @@ def test_the_available_host_memory_is_this_machines():
     assert 0 < available_host_bytes() <= total
 
 
-@pytest.mark.parametrize("version", ["v1", "v2"])
-def test_a_containers_memory_limit_caps_the_available_memory(tmp_path, monkeypatch, version):
-    """A container sees the host's /proc/meminfo; its cgroup's limit, less what it uses but for the inactive page
-    cache, is what it can still take."""
+def fake_machine(tmp_path, monkeypatch, version: str, limits: dict[str, str]) -> None:
+    """/proc/meminfo with 60 GiB available, and this process in cgroup /job/task: at each level in `limits`, that
+    limit, 10 GiB used of which 2 GiB inactive page cache."""
     gib = 2**30
     (tmp_path / "meminfo").write_text(f"MemTotal: {64 * gib // 1024} kB\nMemAvailable: {60 * gib // 1024} kB\n")
     if version == "v2":
-        (tmp_path / "cgroup").write_text("0::/job\n")
-        folder, names = tmp_path / "fs" / "job", ("memory.max", "memory.current", "inactive_file")
+        (tmp_path / "cgroup").write_text("0::/job/task\n")
+        root, names = tmp_path / "fs", ("memory.max", "memory.current", "inactive_file")
     else:
-        (tmp_path / "cgroup").write_text("4:memory:/job\n3:cpuset:/\n")
-        folder, names = tmp_path / "fs" / "memory" / "job", ("memory.limit_in_bytes", "memory.usage_in_bytes",
-                                                              "total_inactive_file")
-    folder.mkdir(parents=True)
-    (folder / names[0]).write_text(f"{16 * gib}\n")
-    (folder / names[1]).write_text(f"{10 * gib}\n")
-    (folder / "memory.stat").write_text(f"anon {8 * gib}\n{names[2]} {2 * gib}\n")
+        (tmp_path / "cgroup").write_text("4:memory:/job/task\n3:cpuset:/\n")
+        root = tmp_path / "fs" / "memory"
+        names = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+    for level, limit in limits.items():
+        folder = root / level
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / names[0]).write_text(f"{limit}\n")
+        (folder / names[1]).write_text(f"{10 * gib}\n")
+        (folder / "memory.stat").write_text(f"anon {8 * gib}\n{names[2]} {2 * gib}\n")
     monkeypatch.setattr(host_memory, "_MEMINFO", tmp_path / "meminfo")
     monkeypatch.setattr(host_memory, "_OWN_CGROUPS", tmp_path / "cgroup")
     monkeypatch.setattr(host_memory, "_CGROUP_ROOT", tmp_path / "fs")
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_a_containers_memory_limit_caps_the_available_memory(tmp_path, monkeypatch, version):
+    """A container sees the host's /proc/meminfo; its cgroup's limit, less what it uses but for the inactive page
+    cache, is what it can still take, and a limit set on the job above the task counts too."""
+    gib, unlimited = 2**30, "max" if version == "v2" else str(2**63 - 4096)
+    fake_machine(tmp_path, monkeypatch, version, {"job/task": str(16 * gib)})
     assert available_host_bytes() == 8 * gib
-    (folder / names[0]).write_text("max\n" if version == "v2" else f"{2**63 - 4096}\n")  # no limit
+    fake_machine(tmp_path, monkeypatch, version, {"job/task": unlimited})
     assert available_host_bytes() == 60 * gib
+    fake_machine(tmp_path, monkeypatch, version, {"job": str(14 * gib), "job/task": unlimited})
+    assert available_host_bytes() == 6 * gib
+    fake_machine(tmp_path, monkeypatch, version, {"job": "garbage", "job/task": str(20 * gib)})
+    assert available_host_bytes() == 12 * gib  # a level that cannot be read is passed over

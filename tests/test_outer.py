@@ -11,6 +11,7 @@ import torch
 from transformers import TrainerCallback
 
 from hf_hybrid import HybridHFTrainer, Phase
+from hf_hybrid.host_buffers import HostCopies
 from hf_hybrid.jump import JumpLifecycle
 from hf_hybrid.payoff import PayoffMeter
 from hf_hybrid.predictors.outer import OuterMomentumPredictor
@@ -46,8 +47,13 @@ def run(tmp_out, **overrides):
     return trainer, recorder.rows
 
 
-def test_the_jump_is_an_outer_nesterov_step_on_the_pseudo_gradient(tmp_out):
-    trainer, rows = run(tmp_out, hybrid_payoff_check=False)
+@pytest.mark.parametrize("judged", [False, True])
+def test_the_jump_is_an_outer_nesterov_step_on_the_pseudo_gradient(tmp_out, monkeypatch, judged):
+    """Unjudged, the jump starts from the weights; judged, from the anchor, which the weights hold for the probe's
+    loss at the cycle's start: the same step either way."""
+    if judged:
+        monkeypatch.setattr(PayoffMeter, "verdict", lambda self, gain, noise: True)
+    trainer, rows = run(tmp_out, hybrid_payoff_check=judged)
     a, m = 0.7, 0.5
     jumps = [i for i, r in enumerate(rows) if r["phase"] is Phase.PREDICT]
     # Warmup 5, then a jump after every 5 real steps; the first real step anchors the first cycle.
@@ -64,6 +70,58 @@ def test_the_jump_is_an_outer_nesterov_step_on_the_pseudo_gradient(tmp_out):
     torch.testing.assert_close(rows[16]["buf"], buf2)
     assert trainer.hybrid_stats()["backward_steps"] == 30 - len(jumps)
     assert trainer._hybrid.dynamics.steps == 0  # the period and the probe decide: no loss forecast is paid for
+
+
+@pytest.mark.parametrize("momentum", [False, True])
+def test_a_jump_from_the_anchor_lands_bit_for_bit_where_one_from_the_weights_does(momentum):
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape)) for shape in [(7, 5), (5,), (3, 4, 2)]]
+    predictor = OuterMomentumPredictor(params, torch.optim.AdamW(params), outer_lr=0.7, momentum=0.5)
+    weights = [p.detach().clone() for p in params]
+    predictor.anchor = [w + 0.1 * torch.randn_like(w) for w in weights]
+    predictor.buf = [torch.randn_like(w) for w in weights] if momentum else []
+    predictor.apply_(1e-3)
+    from_weights = [p.detach().clone() for p in params]
+    with torch.no_grad():
+        for p, a in zip(params, predictor.anchor):
+            p.copy_(a)
+    predictor.apply_(1e-3, start=weights)
+    assert all(torch.equal(p, w) for p, w in zip(params, from_weights))
+    assert not all(torch.equal(p, w) for p, w in zip(params, weights))
+
+
+def test_a_judged_jump_brings_the_anchor_from_host_memory_once_and_a_kept_one_twice(tmp_out, monkeypatch):
+    """Judged, the anchor is brought into the weights for the probe's loss at the cycle's start, and the step reads it
+    there; a kept jump reads it once more for the momentum's update. On a GPU each read is a host-to-device copy of
+    the parameters' bytes."""
+    reads = []
+    for name in ("copy", "fetch"):
+        original = getattr(HostCopies, name)
+
+        def counted(self, *args, _original=original, _name=name):
+            sources = args[1] if _name == "copy" else [args[0]]
+            anchor = trainer._hybrid.predictor.anchor or []
+            reads.append(sum(any(s is a for a in anchor) for s in sources))
+            return _original(self, *args)
+
+        monkeypatch.setattr(HostCopies, name, counted)
+    verdicts = itertools.cycle([True, False])
+    monkeypatch.setattr(PayoffMeter, "verdict", lambda self, gain, noise: next(verdicts))
+
+    class PerStep(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            rows.append((trainer._hybrid.last_record.phase, trainer._hybrid.last_record.rollback, sum(reads)))
+            reads.clear()
+
+    rows = []
+    trainer = make_trainer(tmp_out, **{**OUTER, "max_steps": 30, "hybrid_payoff_check": True,
+                                       "hybrid_max_rejections": 0})
+    trainer.add_callback(PerStep())
+    trainer.train()
+    tensors = len(trainer._hybrid.params)
+    jumps = [(rollback, n) for phase, rollback, n in rows if phase is Phase.PREDICT]
+    assert {rollback for rollback, _ in jumps} == {False, True}, jumps
+    assert all(n == (1 if rollback else 2) * tensors for rollback, n in jumps), (tensors, jumps)
 
 
 def test_a_rejected_jump_leaves_weights_and_momentum_as_they_were(tmp_out, monkeypatch):

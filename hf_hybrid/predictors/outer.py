@@ -12,13 +12,13 @@ Correct steps (there is no per-step residual to learn). The Predict step runs no
 Memory: two parameter-sized buffers (the anchor, the momentum), element-wise on local shards, in pinned host memory on
 an accelerator. The momentum exists only while it is not zero, from the first kept jump until a guard rollback clears
 it: a run's first cycle (the warmup's) and a run whose jumps never pay hold the anchor alone. The buffers cost no device
-memory, but host-device copies of the parameters' bytes: 3x in per jump (the anchor for the probe's loss at the cycle's
-start, then the anchor and the momentum, tensor by tensor, for the step), 2x in and 1x out more per kept jump (the
-momentum's update), and 1x out per cycle start. The anchor is left intact by the jump (its pseudo-gradient is taken
-tensor by tensor, and again from the engine's undo copy when the jump is kept) and moves only at the start of the next
-cycle's first accepted real step, before its update: there the weights are known to be good, so the guard's snapshot
-takes the anchor as its copy of the weights (`held_weights`) instead of keeping one of its own, and holds only the
-optimizer state beside it.
+memory, but host-device copies of the parameters' bytes: 2x in per jump (the anchor, into the weights for the probe's
+loss at the cycle's start, where the step then reads it, and the momentum, tensor by tensor), 2x in and 1x out more per
+kept jump (the momentum's update), and 1x out per cycle start. The anchor is left intact by the jump (its
+pseudo-gradient is taken tensor by tensor, and again from the engine's undo copy when the jump is kept) and moves only
+at the start of the next cycle's first accepted real step, before its update: there the weights are known to be good,
+so the guard's snapshot takes the anchor as its copy of the weights (`held_weights`) instead of keeping one of its own,
+and holds only the optimizer state beside it.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ class OuterMomentumPredictor(Predictor):
         self.cycle_steps = 0  # real updates since the anchor: the displacement weights - anchor is theirs
         self.buf: list[Tensor] = []  # the momentum, on the ranks that hold the state; empty while it is zero
         self.copies = HostCopies()
+        self.released = False
 
     def controller_settings(self) -> dict:
         """The phase controller's schedule for this predictor: a one-step jump every `period` real steps, judged by
@@ -94,7 +95,8 @@ class OuterMomentumPredictor(Predictor):
         return self.anchor if self.keeps_weights else None
 
     def host_buffers(self) -> tuple[int, list[Tensor]]:
-        return (2 if self.holds_state else 0), [*(self.anchor or []), *self.buf]  # the anchor, the momentum
+        # The anchor and the momentum, until the predictor is released for good (retired, or no prediction at all).
+        return (2 if self.holds_state and not self.released else 0), [*(self.anchor or []), *self.buf]
 
     @torch.no_grad()
     def load_anchor(self) -> None:
@@ -118,16 +120,23 @@ class OuterMomentumPredictor(Predictor):
         self.buf = []
 
     def release(self) -> None:
-        self.anchor, self.anchored, self.buf = None, False, []
+        self.anchor, self.anchored, self.buf, self.released = None, False, [], True
 
     @torch.no_grad()
-    def apply_(self, lr: float) -> None:
+    def apply_(self, lr: float, start: list[Tensor] | None = None) -> None:
+        """`start`: where the jump begins (the engine's undo copy) when the parameters hold the anchor, put there for
+        the probe's loss at the cycle's start (`load_anchor`): the anchor is then read from them, not fetched again."""
         m, a = self.momentum, self.outer_lr
         # anchor - a * (g + m * (m * buf + g)) = weights + (1 - a - a * m) * g - a * m^2 * buf, with the
         # pseudo-gradient g = anchor - weights one tensor at a time: the anchor stays the guard's copy of the weights.
         fetch = self.copies.fetch
         for i, (shard, anchor) in enumerate(zip(self._shards(), self.anchor or [])):
-            g = fetch(anchor, shard.device) - shard
+            if start is None:
+                g = fetch(anchor, shard.device) - shard
+            else:
+                weights = fetch(start[i], shard.device)
+                g = shard - weights
+                shard.copy_(weights)
             shard.add_(g, alpha=1 - a - a * m)
             if self.buf:
                 shard.add_(fetch(self.buf[i], shard.device), alpha=-a * m * m)
