@@ -27,7 +27,7 @@ from pathlib import Path
 from arms import ArmResult, arm_main
 from arms import WeightAverage as WeightAverage  # re-exported: tests/test_weight_average.py imports it from here
 from presets import PEER_ARMS, PRESETS, TUNED_HOST_ALLOCATOR
-from report import add_swept_target, equal_evals, plot, print_table, speedups, summarize
+from report import add_swept_target, environment, equal_evals, plot, print_table, speedups, summarize
 
 
 def launch(arm: str, args, out_dir: Path, target: float | None, overrides: dict,
@@ -146,7 +146,7 @@ def main() -> None:
               "targets": targets, "overrides": overrides, "preset_settings": settings,
               "learning_rate": lr, "lr_scale": args.lr_scale, "swept_learning_rate": swept_lr,
               "baseline": [summarize(b, t) for b, t in zip(baselines, targets)],
-              "hybrid": [summarize(h, t) for h, t in zip(hybrids, targets)]}
+              "hybrid": [summarize(h, t) for h, t in zip(hybrids, targets)], "environment": environment()}
     for name, results in peers.items():
         report[name] = [summarize(a, t) for a, t in zip(results, targets)]
         report[f"{name}_speedups"] = speedups(report, name)

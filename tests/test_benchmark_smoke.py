@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "benchmark.py"
 
 
@@ -25,6 +27,11 @@ def test_benchmark_smoke_writes_report_and_plot(tmp_path):
     baseline, hybrid = report["baseline"][0], report["hybrid"][0]
     assert baseline["steps"] == 40 and baseline["hybrid_stats"] is None
     assert report["target_eval_loss"] == baseline["final_eval_loss"]
+    env = report["environment"]
+    head = subprocess.run(["git", "-C", str(SCRIPT.parent), "rev-parse", "HEAD"], capture_output=True, text=True)
+    assert env["commit"] == (head.stdout.strip() if head.returncode == 0 else "")
+    assert env["torch"] == torch.__version__ and env["cpu_capability"] and env["device"] == (
+        torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
     stats = hybrid["hybrid_stats"]
     assert stats["predict_steps"] > 0 and set(stats["phase_steps"]) == {"warmup", "full", "predict", "correct"}
     assert set(baseline["timing"]) == {"forward", "backward", "optimizer"}
