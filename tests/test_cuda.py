@@ -21,6 +21,7 @@ from hf_hybrid.host_buffers import pinned_layout
 from .conftest import hybrid_args, make_trainer, reject_every_jump, tiny_gpt2, token_dataset
 from .test_equivalence_resume import assert_bit_identical, check_resume_mid_predict, state
 from .test_memory_growth import CycleMemory
+from .test_outer import jumps_from_the_weights_and_from_the_anchor
 from .test_predict import StepRecorder, kept_predicted_steps, train_recorded
 from .test_safety import WeightsPerStep, nan_model, sabotage_fifth_predicted_step
 
@@ -168,6 +169,16 @@ def test_engine_keeps_no_weight_copy_on_the_device_beyond_its_predictor(tmp_path
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     extra = max(hybrid_memory.samples) - max(plain_memory.samples)
     assert extra <= extra_buffers * weights + 64 * 1024, (extra, weights)
+
+
+@pytest.mark.parametrize("momentum", [False, True])
+def test_a_jump_from_the_anchor_in_pinned_memory_lands_where_one_from_the_weights_does(momentum):
+    """The judged jump's path on a GPU: the anchor copied in from pinned memory without blocking, then read from the
+    weights; bit for bit the unjudged path, which fetches it."""
+    weights, from_weights, from_anchor = jumps_from_the_weights_and_from_the_anchor("cuda", momentum)
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, w) for a, w in zip(from_anchor, from_weights))
+    assert not any(torch.equal(a, w) for a, w in zip(from_anchor, weights))
 
 
 def test_outer_state_and_the_guards_snapshot_sit_in_a_few_pinned_allocations(tmp_out):

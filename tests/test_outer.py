@@ -11,7 +11,7 @@ import torch
 from transformers import TrainerCallback
 
 from hf_hybrid import HybridHFTrainer, Phase
-from hf_hybrid.host_buffers import HostCopies
+from hf_hybrid.host_buffers import HostCopies, host_like
 from hf_hybrid.jump import JumpLifecycle
 from hf_hybrid.payoff import PayoffMeter
 from hf_hybrid.predictors.outer import OuterMomentumPredictor
@@ -72,22 +72,31 @@ def test_the_jump_is_an_outer_nesterov_step_on_the_pseudo_gradient(tmp_out, monk
     assert trainer._hybrid.dynamics.steps == 0  # the period and the probe decide: no loss forecast is paid for
 
 
-@pytest.mark.parametrize("momentum", [False, True])
-def test_a_jump_from_the_anchor_lands_bit_for_bit_where_one_from_the_weights_does(momentum):
+def jumps_from_the_weights_and_from_the_anchor(device: str, momentum: bool) -> tuple[list, list, list]:
+    """One outer jump twice, from the same state: from the weights, then with the weights at the anchor (as the probe
+    leaves them) and the start given. The outer state sits where the predictor keeps it (pinned memory on a GPU)."""
     torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(shape)) for shape in [(7, 5), (5,), (3, 4, 2)]]
+    params = [torch.nn.Parameter(torch.randn(shape, device=device)) for shape in [(7, 5), (5,), (3, 4, 2)]]
     predictor = OuterMomentumPredictor(params, torch.optim.AdamW(params), outer_lr=0.7, momentum=0.5)
     weights = [p.detach().clone() for p in params]
-    predictor.anchor = [w + 0.1 * torch.randn_like(w) for w in weights]
-    predictor.buf = [torch.randn_like(w) for w in weights] if momentum else []
+    predictor.anchor = host_like(weights)
+    predictor.buf = host_like(weights) if momentum else []
+    for anchor, buf, w in itertools.zip_longest(predictor.anchor, predictor.buf, weights):
+        anchor.copy_(w + 0.1 * torch.randn_like(w))
+        if buf is not None:
+            buf.copy_(torch.randn_like(w))
     predictor.apply_(1e-3)
     from_weights = [p.detach().clone() for p in params]
-    with torch.no_grad():
-        for p, a in zip(params, predictor.anchor):
-            p.copy_(a)
+    predictor.load_anchor()
     predictor.apply_(1e-3, start=weights)
-    assert all(torch.equal(p, w) for p, w in zip(params, from_weights))
-    assert not all(torch.equal(p, w) for p, w in zip(params, weights))
+    return weights, from_weights, [p.detach().clone() for p in params]
+
+
+@pytest.mark.parametrize("momentum", [False, True])
+def test_a_jump_from_the_anchor_lands_bit_for_bit_where_one_from_the_weights_does(momentum):
+    weights, from_weights, from_anchor = jumps_from_the_weights_and_from_the_anchor("cpu", momentum)
+    assert all(torch.equal(a, w) for a, w in zip(from_anchor, from_weights))
+    assert not any(torch.equal(a, w) for a, w in zip(from_anchor, weights))
 
 
 def test_a_judged_jump_brings_the_anchor_from_host_memory_once_and_a_kept_one_twice(tmp_out, monkeypatch):
