@@ -38,7 +38,9 @@ SUMMARY="$OUT/summary.txt"
 # a bare machine started in about 30 s. Session 29 left open: the hooks' steady share at one micro-batch a step (the
 # overhead part now prints their median on a real step), and what a reading costs since its moves along Adam's step
 # became multi-tensor lists (955f8d8; the ab and overhead parts print the readings' share), and what a jump costs there
-# (the jumps part: no GPU run at 6e-4 has tried one).
+# (the jumps part: no GPU run at 6e-4 has tried one; since 7003406 a judged jump brings 2P over the host link, not
+# 3P). Session 30 added two CUDA tests (the judged jump's path from pinned memory, bit for bit) and an environment
+# record to every report.
 PARTS=${PARTS:-overhead ab jumps tests}
 part() {  # part NAME SECONDS COMMAND...: runs COMMAND with a limit, its log in $OUT/NAME.log
   local name=$1 limit=$2 start rc
