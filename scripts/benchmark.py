@@ -26,8 +26,9 @@ from pathlib import Path
 
 from arms import ArmResult, arm_main
 from arms import WeightAverage as WeightAverage  # re-exported: tests/test_weight_average.py imports it from here
+from environment import environment
 from presets import PEER_ARMS, PRESETS, TUNED_HOST_ALLOCATOR
-from report import add_swept_target, environment, equal_evals, plot, print_table, speedups, summarize
+from report import add_swept_target, equal_evals, plot, print_table, speedups, summarize
 
 
 def launch(arm: str, args, out_dir: Path, target: float | None, overrides: dict,

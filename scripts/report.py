@@ -5,48 +5,13 @@ from __future__ import annotations
 
 import json
 import math
-import platform
 import statistics
-import subprocess
 from pathlib import Path
 
 from arms import ArmResult
 from presets import PEER_ARMS
 
 H100_BF16_FLOPS = 989e12
-
-
-def environment() -> dict:
-    """What a result depends on beyond its command: the library's commit (and whether its files differed from it), the
-    versions, and the processor. Two records that disagree can then be told apart by these before anything else (two
-    on record do not reproduce: run 200's and session 27's survey)."""
-    import accelerate
-    import torch
-    import transformers
-
-    import hf_hybrid
-
-    library = Path(hf_hybrid.__file__).resolve().parent
-
-    def git(*args: str) -> str:
-        done = subprocess.run(["git", "-C", str(library), *args], capture_output=True, text=True)
-        return done.stdout.strip() if done.returncode == 0 else ""
-
-    names = [line.split(":", 1)[1].strip() for line in _read_lines("/proc/cpuinfo") if line.startswith("model name")]
-    cpu = names[0] if names else platform.processor()
-    return {"library": str(library), "commit": git("rev-parse", "HEAD"),
-            "library_changed": bool(git("status", "--porcelain", "--", ".")),
-            "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "accelerate": accelerate.__version__, "cpu": cpu, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "torch_threads": torch.get_num_threads(),
-            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
-
-
-def _read_lines(path: str) -> list[str]:
-    try:
-        return Path(path).read_text().splitlines()
-    except OSError:
-        return []
 
 
 SECONDS, UPDATES = 1, 3  # columns of an eval: [step, train_seconds, eval_loss, updates spent]
