@@ -5,8 +5,8 @@ That state sits in host memory (pinned on an accelerator). Its largest total com
 run: the guard's own copy of the weights is taken after a save, through a learning-rate trial and in a cycle longer
 than `--hybrid_guard_snapshot_steps`, and the outer momentum exists from the first kept jump. So the check runs once,
 at the guard's first snapshot, when the optimizer's state exists and the bytes are exact, rather than leave the user to
-find out from a process killed for memory. The jump's undo copy is left out: it lives on the device, or on the CPU in
-the place of the gradients it is taken without.
+find out from a process killed for memory. The jump's undo copy counts only where `--hybrid_offload_snapshot` keeps it
+in pinned memory: elsewhere it lives on the device, or on the CPU in the place of the gradients it is taken without.
 """
 
 from __future__ import annotations
