@@ -15,7 +15,6 @@ import os
 from pathlib import Path
 from typing import NamedTuple
 
-import torch
 from torch import Tensor
 
 from .predictors.base import local_shard
@@ -135,4 +134,4 @@ def local_ranks() -> int:
 
 
 def _nbytes(t: Tensor) -> int:
-    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+    return t.numel() * t.element_size()
