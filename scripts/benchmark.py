@@ -60,9 +60,9 @@ def main() -> None:
                         help="speed: time to the baseline's eval loss; overhead: the same steps in both arms, the "
                              "hooks timed, the confidence gate shut (velocity and adam; outer's jumps keep their "
                              "schedule); memory: the same steps in both arms, the hybrid forced to predict as often "
-                             "as it can (CUDA peak memory curve); faults: clean Trainer, Trainer and hybrid with "
-                             "injected faults; sweep: the Trainer alone at each of --learning_rates (the baseline's "
-                             "tuning)")
+                             "as it can, the autopilot off (CUDA peak memory curve, a jump's cost); faults: clean "
+                             "Trainer, Trainer and hybrid with injected faults; sweep: the Trainer alone at each of "
+                             "--learning_rates (the baseline's tuning)")
     parser.add_argument("--arms", default="baseline,hybrid",
                         help="speed mode: the arms after the baseline: hybrid, and from "
                              + "; ".join(f"{k} ({v})" for k, v in PEER_ARMS.items()))
@@ -111,7 +111,8 @@ def main() -> None:
     if args.mode == "overhead":
         overrides["hybrid_confidence_threshold"] = 1.0
     if args.mode == "memory":
-        overrides.update(hybrid_confidence_threshold=0.0, hybrid_payoff_check=False)
+        # The autopilot's readings would pass the turns (steps already long enough): memory mode wants the jumps.
+        overrides.update(hybrid_confidence_threshold=0.0, hybrid_payoff_check=False, hybrid_lr_autopilot=False)
     root = Path(args.output_dir) / f"{args.preset}-{args.mode}"
     if args.mode == "sweep":
         return sweep(args, root)

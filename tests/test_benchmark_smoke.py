@@ -106,3 +106,16 @@ def test_the_overhead_mode_runs_both_arms_the_same_larger_steps(tmp_path):
     assert len(hybrid["hook_seconds"]) == 8 and all(s > 0 for s in hybrid["hook_seconds"])
     assert abs(sum(hybrid["hook_seconds"]) - clocks) < 1e-9
     assert "hooks and guard on the median real step" in done.stdout
+
+
+def test_a_jumps_cost_leaves_out_the_first_which_allocates(monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    from report import jump_cost
+
+    phases = ["full", "predict", "full", "full", "predict", "full", "predict", "full"]
+    seconds = [0.05, 0.95, 0.07, 0.05, 0.074, 0.075, 0.072, 0.08]
+    cost = jump_cost(seconds, phases)
+    assert cost["predicted"] == 3 and cost["first"] == 0.95
+    assert abs(cost["median"] - 0.073) < 1e-12  # the two after the first; with it the median would be 0.074
+    assert cost["next_median"] == 0.075
+    assert jump_cost([0.05, 0.05], ["full", "full"]) is None
