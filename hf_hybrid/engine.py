@@ -11,6 +11,7 @@ all-reduce per optimizer step, shared with the gradient norm) before any decisio
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -54,9 +55,8 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
         self.predictor = build_predictor(settings, params, optimizer)
         config = ControllerConfig.from_settings(settings)
         self.controller = PhaseController(replace(config, **self.predictor.controller_settings()))
-        self.monitor = DivergenceMonitor(
-            band_sigmas=settings.hybrid_loss_band, grad_explosion_factor=settings.hybrid_grad_explosion_factor
-        )
+        self.monitor = DivergenceMonitor(band_sigmas=settings.hybrid_loss_band,
+                                         grad_explosion_factor=settings.hybrid_grad_explosion_factor)
         self.payoff = PayoffMeter(forward_cost=settings.hybrid_predict_step_cost, accumulation=accumulation,
                                   noise_margin=settings.hybrid_probe_noise_margin)
         self.dynamics = LossDynamicsModel(seed=seed)
@@ -79,12 +79,10 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
         self.record: StepRecord | None = None  # the optimizer step under way
         self.last_record: StepRecord | None = None
         self.jump_start_step: int | None = None  # the global step at which the open jump began
-        # The trainer's learning-rate schedule as it was when the open jump began (opaque here): a rollback hands it
-        # back, so the rolled-back steps do not advance the schedule.
+        # The trainer's LR schedule when the open jump began (opaque here): a rollback hands it back, unadvanced.
         self.schedule_at_jump: dict | None = None
         self.undone_steps = 0  # optimizer steps undone by rollbacks of jumps so far
-        # Optimizer steps that do not count toward max_steps (undone by a rollback, or skipped); the trainer adds
-        # them to max_steps, again on resume.
+        # Optimizer steps not counted toward max_steps (undone by a rollback, or skipped): the trainer adds them.
         self.made_up_steps = 0
         # The counted step of the last evaluation `--eval_steps` asked for (CountedStepSchedule, step_veto.py), carried
         # in checkpoints: a resumed run must not take an evaluation an open jump deferred for done.
@@ -139,10 +137,10 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
             self.dynamics.observe(loss, grad_norm, lr)
         return False
 
-    def start_cycle(self) -> bool:
+    def start_cycle(self, make_room: Callable[[], None] | None = None) -> bool:
         """At a real step that passed every check, before its update: the predictor's next cycle starts here if one is
         due (after a jump's verdict or a rollback). Returns whether it did, for the guard's snapshot."""
-        return not self.controller.retired and self.predictor.move_anchor()
+        return not self.controller.retired and self.predictor.move_anchor(make_room)
 
     def skip_step(self, diverged: bool) -> None:
         """This real step's update is vetoed (`diverged`: a non-finite loss or gradient norm; otherwise the guard's
@@ -175,8 +173,9 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
         self.predictor.release()
         self._anchor = self._predicted = None
 
-    def end_step(self, hold: bool = False) -> Phase:
-        """After the optimizer step: decide the next step's phase (`hold`: pass a turn to predict, see lr_scale.py)."""
+    def end_step(self, hold: bool = False, anchor_free: bool = False) -> Phase:
+        """After the optimizer step: decide the next step's phase (`hold`: pass a turn to predict, see lr_scale.py;
+        `anchor_free`: see `Predictor.jump_kept`)."""
         record, passes = self.record, self.controller.passes
         if not record.rollback:
             if self._forecasting and self.controller.confidence_due:
@@ -195,7 +194,7 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
         else:
             self.controller.phase_steps[record.phase.value] += 1
         if record.phase is Phase.PREDICT and not record.rollback and self.controller.phase is not Phase.PREDICT:
-            self.predictor.jump_kept(self.snapshot.tensors)
+            self.predictor.jump_kept(self.snapshot.tensors, anchor_free)
         if self.controller.phase is not Phase.PREDICT and self.controller.phase is not Phase.CORRECT:
             self.snapshot.release()
             self.replay.settle()

@@ -106,18 +106,15 @@ class GuardAtLoop:
         trainer, engine, snapshot = self.trainer, self.trainer._hybrid, self.snapshot
         step = trainer.state.global_step
         every = trainer.hybrid_settings.hybrid_guard_snapshot_steps
-        # Not before the optimizer has state (AdamW creates it at its first step; a resumed run has it from the
-        # start), and never inside a jump: the engine may still reject it, and a snapshot would bring it back.
-        possible = every and engine.optimizer.state and not engine.snapshot.valid
         # The rollback point is never older than `every` steps, however long a cycle is (the warmup's, or one that a
         # rejected jump lengthened): such a cycle takes a copy of its own.
         due = self.snapshot_asked or not snapshot.valid or (step - snapshot.step >= every and not self.snapshot_held)
         if cycle_started:
             due = due or not (self.snapshot_held and not snapshot.on_held_weights)
-        if due and possible:
+        if due and self._snapshot_possible():
             # An asked-for snapshot, or a raise's undo point, keeps a copy of its own: a trial holds it across the next
             # cycle start (and a run resumed mid-trial takes its first one as the trial's too).
-            own = self.snapshot_asked or self.snapshot_held or not cycle_started
+            own = self._keeps_own_copy() or not cycle_started
             snapshot.capture(step, engine.made_up_steps, engine.params, engine.optimizer,
                              trainer._hybrid_steps.schedule_state(), on_held_weights=not own,
                              held_weights=engine.predictor.held_weights(), rng=self.step_rng)
@@ -128,6 +125,30 @@ class GuardAtLoop:
                 engine.replay.begin_trial()
         elif cycle_started and snapshot.on_held_weights:
             snapshot.invalidate()  # its weights were the anchor, which just moved
+
+    def _snapshot_possible(self) -> bool:
+        """Not before the optimizer has state (AdamW creates it at its first step; a resumed run has it from the
+        start), and never inside a jump: the engine may still reject it, and a snapshot would bring it back."""
+        engine = self.trainer._hybrid
+        return bool(self.trainer.hybrid_settings.hybrid_guard_snapshot_steps and engine.optimizer.state
+                    and not engine.snapshot.valid)
+
+    def _keeps_own_copy(self) -> bool:
+        """Whether the next snapshot keeps a copy of the weights of its own even where a cycle starts."""
+        return self.snapshot_asked or self.snapshot_held
+
+    def make_room_for_anchor(self) -> None:
+        """A cycle starts at this accepted step and its anchor needs new buffers; the snapshot about to be taken will
+        stand on them, so a copy of the weights of its own is dropped first and the anchor takes its memory, rather
+        than adding a copy of the parameters for a moment (after a first kept jump, whose momentum took the last
+        anchor's buffers)."""
+        if self._snapshot_possible() and not self._keeps_own_copy() and not self.snapshot.on_held_weights:
+            self.snapshot.weights.release()
+
+    @property
+    def stands_on_anchor(self) -> bool:
+        """Whether the rollback point's weights are the outer predictor's anchor."""
+        return self.snapshot.valid and self.snapshot.on_held_weights
 
     def _check_host_memory(self) -> None:
         self.memory_checked = True

@@ -154,7 +154,7 @@ class HybridMixin:
         if guard_vetoes or engine.check_real_step(loss, norm, self._hybrid_lr()):
             self._hybrid_steps.veto_real_step()
         else:
-            cycle_started = engine.start_cycle()
+            cycle_started = engine.start_cycle(guard.make_room_for_anchor if guard is not None else None)
             if guard is not None:
                 guard.accepted(cycle_started)
         return grad_norm
@@ -185,7 +185,8 @@ class HybridMixin:
             self._hybrid_steps.make_up(1, self._hybrid_steps.skipped_schedule)
         guard_action = self._guard_loop.end_step(control) if self._guard_loop is not None else None
         autopilot = self._lr_autopilot
-        next_phase = engine.end_step(hold=autopilot is not None and autopilot.scale.steps_long_enough)
+        next_phase = engine.end_step(hold=autopilot is not None and autopilot.scale.steps_long_enough,
+                                     anchor_free=self._guard_loop is None or not self._guard_loop.stands_on_anchor)
         if autopilot is not None:
             real_step = record.phase.has_backward and not (record.skipped or record.rollback)
             autopilot.end_step(record.step, real_step, guard_action)

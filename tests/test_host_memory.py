@@ -136,3 +136,21 @@ def test_a_containers_memory_limit_caps_the_available_memory(tmp_path, monkeypat
     assert available_host_bytes() == 6 * gib
     fake_machine(tmp_path, monkeypatch, version, {"job": "garbage", "job/task": str(20 * gib)})
     assert available_host_bytes() == 12 * gib  # a level that cannot be read is passed over
+
+
+def test_the_first_kept_jump_after_a_long_first_cycle_stays_within_4p(tmp_path, monkeypatch):
+    """The defaults' path: a first cycle (the warmup's) longer than the guard's snapshot interval, so the guard holds
+    a copy of the weights of its own when the first jump is kept; later cycles are shorter. The momentum that jump
+    starts takes the anchor's buffers (no snapshot stands on them), and the next cycle's anchor the guard's copy's."""
+    keep_every_jump(monkeypatch)
+    trainer = make_trainer(tmp_path, hybrid_predictor="outer", hybrid_outer_period=4, hybrid_warmup_steps=12,
+                           hybrid_guard_snapshot_steps=6, hybrid_guard_window=16, hybrid_payoff_check=True,
+                           hybrid_lr_autopilot=False, max_steps=40)
+    recorder = HostBytes()
+    recorder.trainer = trainer
+    trainer.add_callback(recorder)
+    trainer.train()
+    assert trainer.hybrid_stats()["predictions_kept"] >= 2
+    params = recorder.rows[-1].params
+    held = [row.held // params for row in recorder.rows]
+    assert max(held) == 4 and 3 in held, str(held)  # the first cycle's own copy (3P), then the anchor and momentum (4P)

@@ -198,8 +198,8 @@ def test_an_undone_raise_puts_back_the_weights_before_its_first_update(tmp_out, 
 
     start_cycle = HybridEngine.start_cycle
 
-    def counted_start_cycle(engine):
-        started = start_cycle(engine)
+    def counted_start_cycle(engine, make_room=None):
+        started = start_cycle(engine, make_room)
         if started and trainer._lr_autopilot.scale.on_trial:
             cycles_in_trial.append(trainer.state.global_step)
         return started

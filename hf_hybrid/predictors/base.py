@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -74,9 +75,9 @@ class Predictor(ABC):
         """`ControllerConfig` fields this predictor sets itself (its own schedule); none by default."""
         return {}
 
-    def jump_kept(self, before: list[Tensor]) -> None:  # noqa: B027 - optional hook
+    def jump_kept(self, before: list[Tensor], anchor_free: bool = False) -> None:  # noqa: B027 - optional hook
         """The jump just made passed its verdict and stays; `before` holds the weights where it began (the engine's
-        undo copy, local shards)."""
+        undo copy, local shards). `anchor_free`: no snapshot stands on `held_weights` any more."""
 
     def jump_undone(self) -> None:  # noqa: B027 - optional hook
         """The jump was rolled back: the weights are back where it began."""
@@ -84,9 +85,10 @@ class Predictor(ABC):
     def turn_passed(self) -> None:  # noqa: B027 - optional hook
         """A turn to predict passed without a jump (the steps were long enough already)."""
 
-    def move_anchor(self) -> bool:
+    def move_anchor(self, make_room: Callable[[], None] | None = None) -> bool:
         """At a real step that passed its checks, before its update: start a new cycle here if one is due. Returns
-        whether it did (the guard then takes its snapshot, see `held_weights`)."""
+        whether it did (the guard then takes its snapshot, see `held_weights`). `make_room` is called before new
+        buffers are allocated for it (the guard then drops a copy of its own that the new one replaces)."""
         return False
 
     def held_weights(self) -> list[Tensor] | None:

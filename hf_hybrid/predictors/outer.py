@@ -11,17 +11,20 @@ Correct steps (there is no per-step residual to learn). The Predict step runs no
 
 Memory: two parameter-sized buffers (the anchor, the momentum), element-wise on local shards, in pinned host memory on
 an accelerator. The momentum exists only while it is not zero, from the first kept jump until a guard rollback clears
-it: a run's first cycle (the warmup's) and a run whose jumps never pay hold the anchor alone. The buffers cost no device
-memory, but host-device copies of the parameters' bytes: 2x in per jump (the anchor, into the weights for the probe's
-loss at the cycle's start, where the step then reads it, and the momentum, tensor by tensor), 2x in and 1x out more per
-kept jump (the momentum's update), and 1x out per cycle start. The anchor is left intact by the jump (its
-pseudo-gradient is taken tensor by tensor, and again from the engine's undo copy when the jump is kept) and moves only
-at the start of the next cycle's first accepted real step, before its update: there the weights are known to be good,
-so the guard's snapshot takes the anchor as its copy of the weights (`held_weights`) instead of keeping one of its own,
-and holds only the optimizer state beside it.
+it: a run's first cycle (the warmup's) and a run whose jumps never pay hold the anchor alone. Where no snapshot stands
+on the anchor at the first kept jump, the momentum takes the anchor's buffers and the next cycle makes new ones. The
+buffers cost no device memory, but host-device copies of the parameters' bytes: 2x in per jump (the anchor, into the
+weights for the probe's loss at the cycle's start, where the step then reads it, and the momentum, tensor by tensor), 2x
+in and 1x out more per kept jump (the momentum's update), and 1x out per cycle start. The anchor is left intact by the
+jump (its pseudo-gradient is taken tensor by tensor, and again from the engine's undo copy when the jump is kept) and
+moves only at the start of the next cycle's first accepted real step, before its update: there the weights are known to
+be good, so the guard's snapshot takes the anchor as its copy of the weights (`held_weights`) instead of keeping one of
+its own, and holds only the optimizer state beside it.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -76,12 +79,14 @@ class OuterMomentumPredictor(Predictor):
             self.cycle_steps += 1
 
     @torch.no_grad()
-    def move_anchor(self) -> bool:
+    def move_anchor(self, make_room: Callable[[], None] | None = None) -> bool:
         if not self.anchor_due:
             return False
         if self.holds_state:
             shards = self._shards()
-            if self.anchor is None:
+            if self.anchor is None:  # the first cycle, or the first kept jump's momentum took the last anchor's buffers
+                if make_room is not None:
+                    make_room()
                 self.anchor = host_like(shards)
             self.copies.copy(self.anchor, shards)
         self.anchored, self.anchor_due, self.cycle_steps = True, False, 0
@@ -144,17 +149,24 @@ class OuterMomentumPredictor(Predictor):
         self._broadcast_weights()
 
     @torch.no_grad()
-    def jump_kept(self, before: list[Tensor]) -> None:
-        if self.holds_state and not self.buf:  # the first kept jump since the start, or since a rollback
+    def jump_kept(self, before: list[Tensor], anchor_free: bool = False) -> None:
+        # The first kept jump since the start, or since a rollback, starts the momentum at its pseudo-gradient. Where no
+        # snapshot stands on the anchor, nothing reads the anchor again before the next cycle replaces it, so the
+        # momentum takes its buffers: a guard holding a copy of its own (a long first cycle) then adds no 5th copy.
+        first = self.holds_state and not self.buf
+        take_anchor = first and anchor_free
+        if first and not take_anchor:
             self.buf = [b.zero_() for b in host_like(self._shards())]
         fetch = self.copies.fetch
-        for buf, anchor, start, shard in zip(self.buf, self.anchor or [], before, self._shards()):
-            new = fetch(buf, shard.device)  # on the CPU, the buffer itself
-            new.mul_(self.momentum)
-            new.add_(fetch(anchor, shard.device) - fetch(start, shard.device))
-            if new is not buf:
+        for i, (anchor, start, shard) in enumerate(zip(self.anchor or [], before, self._shards())):
+            buf = anchor if take_anchor else self.buf[i]
+            step = fetch(anchor, shard.device) - fetch(start, shard.device)
+            new = step if take_anchor else fetch(buf, shard.device).mul_(self.momentum).add_(step)
+            if new is not buf:  # on the CPU `fetch` gives the buffer itself
                 buf.copy_(new, non_blocking=True)
         self.copies.mark()
+        if take_anchor:
+            self.buf, self.anchor = self.anchor, None
         self.anchor_due = True
 
     def jump_undone(self) -> None:
@@ -178,7 +190,7 @@ class OuterMomentumPredictor(Predictor):
         self.copies.wait()
         self.anchored = state.get("anchored", bool(state["anchor"]))  # absent before the state was kept on rank 0
         self.anchor = None
-        if self.holds_state and self.anchored:
+        if self.holds_state and self.anchored and state["anchor"]:  # none after a first kept jump took its buffers
             self.anchor = host_like(self._shards())
             load_tensors(self.anchor, state["anchor"], "outer anchor")
         self.buf = []
