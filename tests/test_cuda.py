@@ -20,8 +20,9 @@ from hf_hybrid.host_buffers import pinned_layout
 
 from .conftest import hybrid_args, make_trainer, reject_every_jump, tiny_gpt2, token_dataset
 from .test_equivalence_resume import assert_bit_identical, check_resume_mid_predict, state
+from .test_host_memory import first_kept_jump_after_a_long_first_cycle
 from .test_memory_growth import CycleMemory
-from .test_outer import jumps_from_the_weights_and_from_the_anchor
+from .test_outer import jumps_from_the_weights_and_from_the_anchor, resume_where_the_first_kept_jump_took_the_anchor
 from .test_predict import StepRecorder, kept_predicted_steps, train_recorded
 from .test_safety import WeightsPerStep, nan_model, sabotage_fifth_predicted_step
 
@@ -179,6 +180,13 @@ def test_a_jump_from_the_anchor_in_pinned_memory_lands_where_one_from_the_weight
     torch.cuda.synchronize()
     assert all(torch.equal(a, w) for a, w in zip(from_anchor, from_weights))
     assert not any(torch.equal(a, w) for a, w in zip(from_anchor, weights))
+
+
+def test_the_first_kept_jump_in_pinned_memory_holds_4p_and_resumes_bit_for_bit(tmp_path, monkeypatch):
+    """The momentum written into the anchor's pinned buffers from the device, the next anchor in the guard's copy's
+    memory: within 4P by count at every step, and a resume from the step without an anchor lands bit for bit."""
+    first_kept_jump_after_a_long_first_cycle(tmp_path / "held", monkeypatch, **ON_GPU)
+    resume_where_the_first_kept_jump_took_the_anchor(tmp_path / "resume", monkeypatch, **ON_GPU)
 
 
 def test_outer_state_and_the_guards_snapshot_sit_in_a_few_pinned_allocations(tmp_out):

@@ -142,10 +142,14 @@ def test_the_first_kept_jump_after_a_long_first_cycle_stays_within_4p(tmp_path, 
     """The defaults' path: a first cycle (the warmup's) longer than the guard's snapshot interval, so the guard holds
     a copy of the weights of its own when the first jump is kept; later cycles are shorter. The momentum that jump
     starts takes the anchor's buffers (no snapshot stands on them), and the next cycle's anchor the guard's copy's."""
+    first_kept_jump_after_a_long_first_cycle(tmp_path, monkeypatch)
+
+
+def first_kept_jump_after_a_long_first_cycle(tmp_path, monkeypatch, **extra) -> None:
     keep_every_jump(monkeypatch)
     trainer = make_trainer(tmp_path, hybrid_predictor="outer", hybrid_outer_period=4, hybrid_warmup_steps=12,
                            hybrid_guard_snapshot_steps=6, hybrid_guard_window=16, hybrid_payoff_check=True,
-                           hybrid_lr_autopilot=False, max_steps=40)
+                           hybrid_lr_autopilot=False, max_steps=40, **extra)
     recorder = HostBytes()
     recorder.trainer = trainer
     trainer.add_callback(recorder)

@@ -161,6 +161,38 @@ def test_resume_with_the_outer_predictor_is_bit_identical(tmp_path):
     assert len(full_buf) == len(resumed_buf) > 0 and all(torch.equal(a, b) for a, b in zip(full_buf, resumed_buf))
 
 
+def test_resume_where_the_first_kept_jump_took_the_anchors_buffers_is_bit_identical(tmp_path, monkeypatch):
+    """A first cycle longer than the guard's snapshot interval ends in a kept jump: its momentum takes the anchor's
+    buffers (the guard holds its own copy), so the checkpoint of that step has no anchor, and the next cycle's comes
+    from the weights at the next accepted step, in the resumed run as in the uninterrupted one."""
+    resume_where_the_first_kept_jump_took_the_anchor(tmp_path, monkeypatch)
+
+
+def resume_where_the_first_kept_jump_took_the_anchor(tmp_path, monkeypatch, **extra) -> None:
+    monkeypatch.setattr(PayoffMeter, "verdict", lambda self, gain, noise: True)
+    settings = dict(OUTER, hybrid_warmup_steps=12, hybrid_guard_snapshot_steps=6, hybrid_payoff_check=True,
+                    hybrid_lr_autopilot=False, max_steps=30, save_strategy="steps", save_steps=1, **extra)
+    full_run = make_trainer(tmp_path / "full", **settings)
+    anchor_at_step_end = {}
+
+    class Anchor(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            anchor_at_step_end[state.global_step] = full_run._hybrid.predictor.anchor is not None
+
+    full_run.add_callback(Anchor())
+    full_run.train()
+    trace = [json.loads(line) for line in (tmp_path / "full" / "hybrid_trace.jsonl").read_text().splitlines()]
+    first_jump = next(r["step"] for r in trace if r["phase"] == "predict")
+    assert not anchor_at_step_end[first_jump] and anchor_at_step_end[first_jump + 1]
+    resumed_model = tiny_gpt2(seed=123)
+    resumed = HybridHFTrainer(model=resumed_model, args=hybrid_args(tmp_path / "resumed", **settings),
+                              train_dataset=token_dataset())
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / f"checkpoint-{first_jump}"))
+    assert_bit_identical(state(full_run.model), state(resumed_model))
+    full_buf, resumed_buf = full_run._hybrid.predictor.buf, resumed._hybrid.predictor.buf
+    assert len(full_buf) == len(resumed_buf) > 0 and all(torch.equal(a, b) for a, b in zip(full_buf, resumed_buf))
+
+
 def test_the_guards_snapshot_stands_on_the_anchor_and_a_rollback_restarts_the_cycle_there(tmp_out):
     """The guard keeps no copy of the weights beside the outer anchor: its snapshot is taken where each cycle starts
     and stands on the anchor, with only the optimizer state its own; a rollback puts the anchor back, bit for bit, and
