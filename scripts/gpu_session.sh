@@ -39,7 +39,8 @@ SUMMARY="$OUT/summary.txt"
 # micro-batch a step (0.53%), the readings' share (4.28% of 600 steps, most of it the first reading's pinned
 # allocation) and a jump's cost (about 74 ms a Predict step, 25 ms more on the step after). The jumps part turns the
 # autopilot off since then (its readings had passed every turn in run 262). Left for a next GPU: the exact and faults
-# parts at the current code, and the jump's cost after any change to how the outer state moves.
+# parts at the current code; the jumps part's pinned peak, 5.05P in run 263 at the first kept jump and 4.04P predicted
+# since dfaef65 (that jump's momentum takes the anchor's buffers); and test_cuda.py's test of that path.
 PARTS=${PARTS:-overhead ab jumps tests}
 part() {  # part NAME SECONDS COMMAND...: runs COMMAND with a limit, its log in $OUT/NAME.log
   local name=$1 limit=$2 start rc

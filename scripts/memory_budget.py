@@ -75,6 +75,7 @@ def run_arm(arm: str, steps: int, warmup: int, period: int, output_dir: str, cou
             return func(*args, **(kwargs or {}))
 
     step_ops: list[int] = []
+    step_faults: list[int] = []  # minor page faults: memory the allocator mapped afresh, zero-filled at first touch
     step_seconds: list[float] = []
     step_kinds: list[str] = []  # the hybrid's: the phase, and whether the step took a reading or a guard snapshot
     hook_per_real_step: list[float] = []
@@ -82,10 +83,12 @@ def run_arm(arm: str, steps: int, warmup: int, period: int, output_dir: str, cou
     class Clock(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
             self.t, self.hooks, self.ops = time.perf_counter(), hook_seconds[0], ops[0]
+            self.faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
         def on_step_end(self, args, state, control, **kwargs):
             step_seconds.append(time.perf_counter() - self.t)
             step_ops.append(ops[0] - self.ops)
+            step_faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - self.faults)
             engine = getattr(trainer, "_hybrid", None)
             if engine is None:
                 return
@@ -112,7 +115,7 @@ def run_arm(arm: str, steps: int, warmup: int, period: int, output_dir: str, cou
         "checkpoint_files": files,
         "hybrid_checkpoint_bytes": sum(v for k, v in files.items() if k.startswith("hybrid")),
         "median_step_seconds": statistics.median(step_seconds[1:]), "step_seconds": step_seconds,
-        "step_kinds": step_kinds, "step_ops": step_ops if count_ops else None,
+        "step_kinds": step_kinds, "step_ops": step_ops if count_ops else None, "step_faults": step_faults,
         "hook_seconds_per_real_step": hook_per_real_step, "stats": stats,
     }
 
@@ -185,6 +188,9 @@ def main() -> None:
             s for s, kind in zip(h["step_seconds"][1:], h["step_kinds"][1:]) if kind in ("warmup", "full", "correct")
         ) / q["median_step_seconds"] for h, q in zip(hybrid, plain)],
     }
+    # Where the step times part, whether the allocator is why: each arm's median minor page faults per step.
+    summary["median_page_faults_per_step"] = {arm: [statistics.median(r["step_faults"][1:]) for r in rs]
+                                              for arm, rs in (("plain", plain), ("hybrid", hybrid))}
     if args.count_ops:
         summary["ops_added_per_step_by_kind"] = _ops_added_by_kind(hybrid[0], plain[0])
     print(json.dumps(summary, indent=1))
