@@ -12,6 +12,7 @@ from transformers import TrainerCallback
 
 from hf_hybrid import host_memory
 from hf_hybrid.host_memory import available_host_bytes, rollback_state_bytes
+from hf_hybrid.predictors import outer
 
 from .conftest import make_trainer
 
@@ -153,8 +154,20 @@ def first_kept_jump_after_a_long_first_cycle(tmp_path, monkeypatch, **extra) -> 
     recorder = HostBytes()
     recorder.trainer = trainer
     trainer.add_callback(recorder)
+    # What is held as each new anchor is allocated, with it: inside a step, where step-end counts cannot see.
+    at_allocation = []
+    allocate = outer.host_like
+
+    def counted_host_like(tensors):
+        buffers = allocate(tensors)
+        size = rollback_state_bytes(trainer._hybrid, trainer._guard_loop.snapshot)
+        at_allocation.append((size.held + sum(b.numel() * b.element_size() for b in buffers)) // size.params)
+        return buffers
+
+    monkeypatch.setattr("hf_hybrid.predictors.outer.host_like", counted_host_like)
     trainer.train()
     assert trainer.hybrid_stats()["predictions_kept"] >= 2
+    assert at_allocation and max(at_allocation) <= 4, at_allocation
     params = recorder.rows[-1].params
     held = [row.held // params for row in recorder.rows]
     assert max(held) == 4 and 3 in held, str(held)  # the first cycle's own copy (3P), then the anchor and momentum (4P)

@@ -193,6 +193,37 @@ def resume_where_the_first_kept_jump_took_the_anchor(tmp_path, monkeypatch, **ex
     assert len(full_buf) == len(resumed_buf) > 0 and all(torch.equal(a, b) for a, b in zip(full_buf, resumed_buf))
 
 
+def test_the_first_momentum_in_the_anchors_buffers_is_the_one_in_new_ones_bit_for_bit(tmp_path, monkeypatch):
+    """The first kept jump's momentum, written into the anchor's buffers (the guard on a copy of its own), is the one
+    a new zeroed buffer would hold, to the sign of each zero, and so is everything trained after it."""
+    monkeypatch.setattr(PayoffMeter, "verdict", lambda self, gain, noise: True)
+    settings = dict(OUTER, hybrid_warmup_steps=12, hybrid_guard_snapshot_steps=6, hybrid_payoff_check=True,
+                    hybrid_lr_autopilot=False, max_steps=30)
+
+    def trained(folder: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        trainer = make_trainer(tmp_path / folder, **settings)
+        first_bufs = []
+
+        class FirstMomentum(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                outer = trainer._hybrid.predictor
+                if outer.buf and not first_bufs:
+                    first_bufs.extend(b.clone() for b in outer.buf)
+                    first_bufs.append(torch.tensor(outer.anchor is None))
+
+        trainer.add_callback(FirstMomentum())
+        trainer.train()
+        return first_bufs, [p.detach().clone() for p in trainer.model.parameters()]
+
+    taken, taken_weights = trained("taken")
+    monkeypatch.setattr("hf_hybrid.guard_loop.GuardAtLoop.stands_on_anchor", property(lambda self: True))
+    new, new_weights = trained("new")
+    assert taken[-1].item() and not new[-1].item()  # the anchor's buffers were taken in the first run only
+    bits = [t.view(torch.int32) for t in (*taken[:-1], *taken_weights)], [
+        t.view(torch.int32) for t in (*new[:-1], *new_weights)]
+    assert len(bits[0]) == len(bits[1]) and all(torch.equal(a, b) for a, b in zip(*bits))
+
+
 def test_the_guards_snapshot_stands_on_the_anchor_and_a_rollback_restarts_the_cycle_there(tmp_out):
     """The guard keeps no copy of the weights beside the outer anchor: its snapshot is taken where each cycle starts
     and stands on the anchor, with only the optimizer state its own; a rollback puts the anchor back, bit for bit, and
