@@ -151,11 +151,16 @@ def test_resume_with_the_outer_predictor_is_bit_identical(tmp_path):
     full_run.train()
     trace = [json.loads(line) for line in (tmp_path / "full" / "hybrid_trace.jsonl").read_text().splitlines()]
     first_jump = next(r["step"] for r in trace if r["phase"] == "predict")
+    # Mid-cycle after a kept jump: the anchor and the momentum must come from the checkpoint.
+    resumes_where_it_ended(tmp_path, settings, full_run, first_jump + 2)
+
+
+def resumes_where_it_ended(tmp_path, settings: dict, full_run, step: int) -> None:
+    """A run resumed from the full run's checkpoint at `step` ends with its weights and momentum, bit for bit."""
     resumed_model = tiny_gpt2(seed=123)
     resumed = HybridHFTrainer(model=resumed_model, args=hybrid_args(tmp_path / "resumed", **settings),
                               train_dataset=token_dataset())
-    # Mid-cycle after a kept jump: the anchor and the momentum must come from the checkpoint.
-    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / f"checkpoint-{first_jump + 2}"))
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / f"checkpoint-{step}"))
     assert_bit_identical(state(full_run.model), state(resumed_model))
     full_buf, resumed_buf = full_run._hybrid.predictor.buf, resumed._hybrid.predictor.buf
     assert len(full_buf) == len(resumed_buf) > 0 and all(torch.equal(a, b) for a, b in zip(full_buf, resumed_buf))
@@ -184,13 +189,7 @@ def resume_where_the_first_kept_jump_took_the_anchor(tmp_path, monkeypatch, **ex
     trace = [json.loads(line) for line in (tmp_path / "full" / "hybrid_trace.jsonl").read_text().splitlines()]
     first_jump = next(r["step"] for r in trace if r["phase"] == "predict")
     assert not anchor_at_step_end[first_jump] and anchor_at_step_end[first_jump + 1]
-    resumed_model = tiny_gpt2(seed=123)
-    resumed = HybridHFTrainer(model=resumed_model, args=hybrid_args(tmp_path / "resumed", **settings),
-                              train_dataset=token_dataset())
-    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / f"checkpoint-{first_jump}"))
-    assert_bit_identical(state(full_run.model), state(resumed_model))
-    full_buf, resumed_buf = full_run._hybrid.predictor.buf, resumed._hybrid.predictor.buf
-    assert len(full_buf) == len(resumed_buf) > 0 and all(torch.equal(a, b) for a, b in zip(full_buf, resumed_buf))
+    resumes_where_it_ended(tmp_path, settings, full_run, first_jump)
 
 
 def test_the_first_momentum_in_the_anchors_buffers_is_the_one_in_new_ones_bit_for_bit(tmp_path, monkeypatch):
