@@ -3,7 +3,7 @@
 Thin glue: the Trainer subclass holds its overrides, and what they call lives in rooms named for their job:
 engine.py (the step's phases and the jump), step_veto.py (vetoed and undone steps), guard_loop.py (the guard at the
 loop), checkpoint.py (the hybrid state in checkpoints), trace.py (the step trace), predict_step.py (a step with no
-backward). Each override exists for one reason:
+backward), jump_clock.py (a jump's wall time against its charge). Each override exists for one reason:
 - `get_batch_samples`: a rolled-back jump's batches were never trained on; they are handed out again
   before fresh ones, so the run keeps the Trainer's data order (replay.py);
 - `training_step`: a Predict step must run no backward (only a no-grad forward to check the loss),
@@ -32,6 +32,7 @@ from .controller import Phase
 from .engine import HybridEngine
 from .guard import StepGuard
 from .guard_loop import GuardAtLoop, GuardStoppedError
+from .jump_clock import JumpClock
 from .launch import check_launch_mode
 from .lr_advice import jump_advice
 from .lr_autopilot import LrAutopilot, build_autopilot
@@ -87,6 +88,7 @@ class HybridMixin:
         self._guard_loop: GuardAtLoop | None = None
         self._lr_autopilot: LrAutopilot | None = None
         self._vram = VramMonitor() if self.hybrid_settings.hybrid else None
+        self._jump_clock = JumpClock(self)
         if not self.hybrid_settings.hybrid:
             return
         check_launch_mode(self)
@@ -97,6 +99,7 @@ class HybridMixin:
         # First in line: a rollback extends max_steps at the step's end, before DefaultFlowCallback decides to stop.
         self.callback_handler.callbacks.insert(0, _HybridStepHooks(self))
         CountedStepSchedule.install(self)
+        self.add_callback(self._jump_clock)
         # Registered on every rank alike (it all-reduces): not on this rank's NVML reading, which may fail alone.
         if self.hybrid_settings.hybrid_vram_min_free_mb > 0 and torch.cuda.is_available():
             self.add_callback(EmergencyCheckpointCallback(self._vram, self.hybrid_settings.hybrid_vram_min_free_mb))
@@ -242,7 +245,7 @@ class HybridMixin:
             autopilot = self._lr_autopilot
             if self.is_world_process_zero():
                 lines = jump_advice(self.hybrid_stats(), self.args.learning_rate, autopilot_on=autopilot is not None)
-                for line in [*lines, autopilot.summary() if autopilot is not None else None]:
+                for line in [*lines, autopilot.summary() if autopilot is not None else None, self._jump_clock.advice()]:
                     if line is not None:
                         logger.warning(line)
         if self._hybrid_trace is not None:

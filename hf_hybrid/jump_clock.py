@@ -1,0 +1,72 @@
+"""What a jump costs in wall time on this machine, against what the payoff check charges for it.
+
+The payoff check decides on a cost clock (payoff.py: a real step costs 1, a forward `--hybrid_predict_step_cost`), so
+that every rank and a resumed run decide alike. The clock counts forwards, not copies: on a GPU a jump also moves the
+outer state over the host link, and at GPT-2 124M on an H200 one took about 2 real steps where the clock charged 0.7
+(run 263 in docs/benchmarks.md). Such a check keeps jumps that gain less than they cost. This clock times the run's
+own steps, decides nothing, and at the end says in one line when the jumps cost well over their charge, with the flag
+value that would charge what they cost.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+from transformers import TrainerCallback
+
+MIN_JUMPS = 3  # timed jumps, the first (which allocates the jump's buffers) left out
+MIN_OVERCHARGE = 2.0  # the measured cost over the charge worth a line (a CPU fine-tuning jump: 1.8x, run 264)
+
+
+class JumpClock(TrainerCallback):
+    """Times each optimizer step from the end of the one before. A jump's cost is its Predict steps' time plus what
+    the real step after it took beyond a real step's median (that step starts the next cycle: the anchor's copy out);
+    its charge is what the payoff clock advanced over its Predict steps."""
+
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer
+        self.last_end: float | None = None
+        self.last_clock = 0.0
+        self.real: list[float] = []  # real steps that neither follow a jump nor are the run's first
+        self.jumps: list[list[float]] = []  # per jump: [its Predict steps' seconds, charge, the step after's seconds]
+        self.open_jump: list[float] | None = None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        engine = self.trainer._hybrid
+        now = time.perf_counter()
+        seconds, self.last_end = (now - self.last_end if self.last_end is not None else None), now
+        if engine is None or engine.last_record is None:
+            return
+        charged, self.last_clock = engine.payoff.clock - self.last_clock, engine.payoff.clock
+        if seconds is None:  # the run's first step, or a resumed run's: no step ended before it here
+            return
+        if engine.last_record.phase.has_backward:
+            if self.open_jump is not None and len(self.open_jump) == 2:
+                self.open_jump.append(seconds)
+                self.jumps.append(self.open_jump)
+                self.open_jump = None
+            else:
+                self.real.append(seconds)
+        elif self.open_jump is None:
+            self.open_jump = [seconds, charged]
+        else:
+            self.open_jump[0] += seconds
+            self.open_jump[1] += charged
+
+    def advice(self) -> str | None:
+        """The line, when the timed jumps cost well over what the payoff check charged for them; None otherwise."""
+        settings = self.trainer.hybrid_settings
+        timed = self.jumps[1:]
+        if not settings.hybrid_payoff_check or len(timed) < MIN_JUMPS or len(self.real) < MIN_JUMPS:
+            return None
+        step = statistics.median(self.real)
+        cost = statistics.median((predict + after - step) / step for predict, _, after in timed)
+        charge = statistics.median(charged for _, charged, _ in timed)
+        if charge <= 0 or cost < MIN_OVERCHARGE * charge:
+            return None
+        suggested = settings.hybrid_predict_step_cost * cost / charge
+        return (f"hf_hybrid: on this machine a jump took {cost:.1f} real steps of wall time (the median of "
+                f"{len(timed)}), where the payoff check charged {charge:.1f}, so it may keep jumps that gain less than "
+                "they cost; "
+                f"--hybrid_predict_step_cost {suggested:.2f} charges about what they cost here.")

@@ -1,0 +1,77 @@
+"""The jump clock: a jump's wall time against the payoff check's charge, said in one line only when it is well over,
+with the flag value that charges it; it decides nothing."""
+
+from __future__ import annotations
+
+import logging
+import time
+from types import SimpleNamespace
+
+from hf_hybrid import Phase
+from hf_hybrid.engine import HybridEngine
+from hf_hybrid.jump_clock import JumpClock
+from hf_hybrid.payoff import PayoffMeter
+
+from .conftest import make_trainer
+
+
+def clocked(steps: list[tuple[Phase, float, float]], payoff_check: bool = True) -> JumpClock:
+    """A clock fed `(phase, seconds, charge)` per step, against a stand-in trainer."""
+    settings = SimpleNamespace(hybrid_payoff_check=payoff_check, hybrid_predict_step_cost=0.35)
+    engine = SimpleNamespace(payoff=SimpleNamespace(clock=0.0), last_record=None)
+    clock = JumpClock(SimpleNamespace(_hybrid=engine, hybrid_settings=settings))
+    now = [0.0]
+    real_clock = time.perf_counter
+    time.perf_counter = lambda: now[0]
+    try:
+        clock.on_step_end(None, None, None)  # the run's first step: no step ended before it
+        for phase, seconds, charge in steps:
+            now[0] += seconds
+            engine.payoff.clock += charge
+            engine.last_record = SimpleNamespace(phase=phase)
+            clock.on_step_end(None, None, None)
+    finally:
+        time.perf_counter = real_clock
+    return clock
+
+
+def run_with_jumps(jump_seconds: float, jumps: int = 5, after: float = 1.25) -> list:
+    """Real steps of 1 s between jumps; each jump a Predict step of `jump_seconds` charged 0.7, the step after it
+    `after` s (the next cycle's start), the first jump slower (it allocates)."""
+    steps = [(Phase.FULL, 1.0, 1.0)] * 5
+    for i in range(jumps):
+        steps += [(Phase.PREDICT, jump_seconds + (5.0 if i == 0 else 0.0), 0.7), (Phase.FULL, after, 1.0)]
+        steps += [(Phase.FULL, 1.0, 1.0)] * 4
+    return steps
+
+
+def test_a_jump_that_costs_well_over_its_charge_is_told_with_the_flag_that_charges_it():
+    line = clocked(run_with_jumps(1.5)).advice()
+    # (1.5 + 1.25 - 1) / 1 = 1.75 real steps against 0.7 charged: 0.35 * 1.75 / 0.7 = 0.875.
+    assert line is not None and "a jump took 1.8 real steps of wall time (the median of 4)" in line
+    assert "the payoff check charged 0.7" in line and "--hybrid_predict_step_cost 0.88" in line
+
+
+def test_no_line_near_the_charge_without_the_payoff_check_or_with_few_jumps():
+    assert clocked(run_with_jumps(1.0)).advice() is None  # 1.25 steps against 0.7: within 2x
+    assert clocked(run_with_jumps(1.5), payoff_check=False).advice() is None  # nothing was charged to decide
+    assert clocked(run_with_jumps(1.5, jumps=3)).advice() is None  # 2 timed after the first: too few
+
+
+def test_the_trainer_says_it_when_its_jumps_are_slow(tmp_path, monkeypatch, caplog):
+    """Each jump made 0.3 s slower than its forwards, on a tiny model whose real step takes milliseconds."""
+    apply = HybridEngine.apply_prediction
+
+    def slow_apply(self, *args, **kwargs):
+        time.sleep(0.3)
+        return apply(self, *args, **kwargs)
+
+    monkeypatch.setattr(HybridEngine, "apply_prediction", slow_apply)
+    monkeypatch.setattr(PayoffMeter, "verdict", lambda self, gain, noise: True)  # every period has its jump
+    trainer = make_trainer(tmp_path, hybrid_predictor="outer", hybrid_outer_period=4, hybrid_warmup_steps=4,
+                           hybrid_payoff_check=True, hybrid_lr_autopilot=False, max_steps=40)
+    with caplog.at_level(logging.WARNING, logger="hf_hybrid"):
+        trainer.train()
+    assert trainer.hybrid_stats()["predict_steps"] >= 4
+    lines = [r.getMessage() for r in caplog.records if "real steps of wall time" in r.getMessage()]
+    assert len(lines) == 1 and "--hybrid_predict_step_cost" in lines[0], lines
