@@ -26,6 +26,10 @@ class JumpClock(TrainerCallback):
 
     def __init__(self, trainer) -> None:
         self.trainer = trainer
+        self.on_train_begin()
+
+    def on_train_begin(self, *args, **kwargs):
+        """Each `train()` call is timed on its own."""
         self.last_end: float | None = None
         self.last_clock = 0.0
         self.real: list[float] = []  # real steps that neither follow a jump nor are the run's first
