@@ -15,14 +15,17 @@ import time
 
 from transformers import TrainerCallback
 
+from .controller import Phase
+
 MIN_JUMPS = 3  # timed jumps, the first (which allocates the jump's buffers) left out
 MIN_OVERCHARGE = 2.0  # the measured cost over the charge worth a line (a CPU fine-tuning jump: 1.8x, run 264)
 
 
 class JumpClock(TrainerCallback):
-    """Times each optimizer step from the end of the one before. A jump's cost is its Predict steps' time plus what
-    the real step after it took beyond a real step's median (that step starts the next cycle: the anchor's copy out);
-    its charge is what the payoff clock advanced over its Predict steps."""
+    """Times each optimizer step from its start to its end (the loop's evaluations and saves come after, and stay
+    out). A jump's cost is its Predict steps' time plus what the real step after it took beyond a real step's median
+    (that step starts the next cycle: the anchor's copy out, the guard's snapshot); its charge is what the payoff clock
+    advanced over its Predict steps. A jump right after another leaves the first untimed."""
 
     def __init__(self, trainer) -> None:
         self.trainer = trainer
@@ -30,31 +33,33 @@ class JumpClock(TrainerCallback):
 
     def on_train_begin(self, *args, **kwargs):
         """Each `train()` call is timed on its own."""
-        self.last_end: float | None = None
-        self.last_clock = 0.0
-        self.real: list[float] = []  # real steps that neither follow a jump nor are the run's first
+        self.started: tuple[float, float, bool] | None = None  # the step's start: time, payoff clock, a jump's first
+        self.real: list[float] = []  # real steps that do not follow a jump
         self.jumps: list[list[float]] = []  # per jump: [its Predict steps' seconds, charge, the step after's seconds]
         self.open_jump: list[float] | None = None
 
+    def on_step_begin(self, args, state, control, **kwargs):
+        engine = self.trainer._hybrid
+        if engine is not None:
+            phase = engine.controller
+            self.started = (time.perf_counter(), engine.payoff.clock,
+                            phase.phase is Phase.PREDICT and phase.steps_in_phase == 0)
+
     def on_step_end(self, args, state, control, **kwargs):
         engine = self.trainer._hybrid
-        now = time.perf_counter()
-        seconds, self.last_end = (now - self.last_end if self.last_end is not None else None), now
-        if engine is None or engine.last_record is None:
+        if engine is None or engine.last_record is None or self.started is None:
             return
-        charged, self.last_clock = engine.payoff.clock - self.last_clock, engine.payoff.clock
-        if seconds is None:  # the run's first step, or a resumed run's: no step ended before it here
-            return
+        began, clock, jump_starts = self.started
+        seconds, charged, self.started = time.perf_counter() - began, engine.payoff.clock - clock, None
         if engine.last_record.phase.has_backward:
-            if self.open_jump is not None and len(self.open_jump) == 2:
-                self.open_jump.append(seconds)
-                self.jumps.append(self.open_jump)
+            if self.open_jump is not None:
+                self.jumps.append([*self.open_jump, seconds])
                 self.open_jump = None
             else:
                 self.real.append(seconds)
-        elif self.open_jump is None:
+        elif jump_starts:
             self.open_jump = [seconds, charged]
-        else:
+        elif self.open_jump is not None:  # not a jump begun before this train() call (a resumed run's)
             self.open_jump[0] += seconds
             self.open_jump[1] += charged
 
