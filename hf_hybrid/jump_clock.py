@@ -41,9 +41,9 @@ class JumpClock(TrainerCallback):
     def on_step_begin(self, args, state, control, **kwargs):
         engine = self.trainer._hybrid
         if engine is not None:
-            phase = engine.controller
+            controller = engine.controller
             self.started = (time.perf_counter(), engine.payoff.clock,
-                            phase.phase is Phase.PREDICT and phase.steps_in_phase == 0)
+                            controller.phase is Phase.PREDICT and controller.steps_in_phase == 0)
 
     def on_step_end(self, args, state, control, **kwargs):
         engine = self.trainer._hybrid
@@ -77,5 +77,4 @@ class JumpClock(TrainerCallback):
         suggested = settings.hybrid_predict_step_cost * cost / charge
         return (f"hf_hybrid: on this machine a jump took {cost:.1f} real steps of wall time (the median of "
                 f"{len(timed)}), where the payoff check charged {charge:.1f}, so it may keep jumps that gain less than "
-                "they cost; "
-                f"--hybrid_predict_step_cost {suggested:.2f} charges about what they cost here.")
+                f"they cost; --hybrid_predict_step_cost {suggested:.2f} charges about what they cost here.")
