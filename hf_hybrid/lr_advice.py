@@ -21,7 +21,11 @@ def jump_summary(stats: dict) -> str | None:
     if not judged:
         return f"hf_hybrid: no jump was tried; {held}." if passed else None
     if not kept:
-        line = f"hf_hybrid: all {judged} jumps were rolled back, so these weights are the plain Trainer's steps"
+        line = f"hf_hybrid: all {judged} jumps were rolled back"
+        # Only then are the weights the plain Trainer's: a kept raise of the learning rate or a step the guard flagged
+        # moved them another way, and the autopilot's or the guard's own line says so.
+        if stats["lr_scale"] == 1.0 and not stats["guard_outliers"] and not stats["guard_rollbacks"]:
+            line += ", so these weights are the plain Trainer's steps"
     else:
         line = (f"hf_hybrid: {kept} of {judged} jumps kept; together they gained {stats['jump_gain']:.4f} probe "
                 f"loss, worth about {stats['jump_worth_steps']:.0f} real steps over {stats['backward_steps']} real "

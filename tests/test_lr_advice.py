@@ -42,3 +42,13 @@ def test_few_verdicts_are_no_evidence():
     stats = {"predictions_judged": 2, "predictions_kept": 2, "jump_gain": 1.0, "jump_worth_steps": 500.0,
              "backward_steps": 100, "turns_passed": 0}
     assert not any("too small" in line for line in jump_advice(stats, 1e-4))
+
+
+def test_rolled_back_jumps_call_the_weights_the_trainers_only_when_nothing_else_moved_them():
+    stats = {"predictions_judged": 1, "predictions_kept": 0, "turns_passed": 0, "backward_steps": 100, "lr_scale": 1.0,
+             "guard_outliers": 0, "guard_rollbacks": 0}
+    assert jump_advice(stats, 5e-5) == ["hf_hybrid: all 1 jumps were rolled back, so these weights are the plain "
+                                        "Trainer's steps."]
+    # A kept raise of the learning rate (the autopilot's line says so) or a step the guard flagged: not the Trainer's.
+    for moved in ({"lr_scale": 10.0}, {"guard_outliers": 2}, {"guard_rollbacks": 1}):
+        assert jump_advice({**stats, **moved}, 5e-5) == ["hf_hybrid: all 1 jumps were rolled back."]
