@@ -1,5 +1,6 @@
 """One benchmark arm, in its own process: the Trainer (`baseline`), the Trainer evaluated on a moving average of its
-weights (`ema`), schedule-free AdamW (`sf`, `sf-swept`), the Trainer at the swept learning rate (`swept`) or
+weights (`ema`), schedule-free AdamW (`sf`, `sf-swept`), Prodigy, Mechanic, the Trainer at the swept learning rate
+(`swept`) or
 HybridHFTrainer (`hybrid`), trained on a preset and measured (timing.py), its measurements an
 `ArmResult` written as JSON for the parent process. The training stack is imported inside `run_arm`, so that the
 parent process imports this module without it."""
@@ -119,6 +120,13 @@ def run_arm(arm: str, preset: dict, out_dir: Path, seed: int, hybrid_overrides: 
         common.update(learning_rate=1.0)
         optimizer_cls_and_kwargs = (Prodigy, dict(lr=1.0, safeguard_warmup=True, use_bias_correction=True,
                                                   weight_decay=preset["weight_decay"]))
+    if arm == "mechanic":
+        # Mechanic learns one multiplier on the base optimizer's steps, the quantity the autopilot moves: AdamW under
+        # it at lr 1.0 and the preset's schedule, as its README runs it.
+        from mechanic_pytorch import mechanize
+
+        common.update(learning_rate=1.0)
+        optimizer_cls_and_kwargs = (mechanize(torch.optim.AdamW), dict(lr=1.0, weight_decay=preset["weight_decay"]))
     if arm in SCHEDULE_FREE_ARMS:
         # The optimizer warms up by itself (the Trainer passes warmup_steps on) and needs no decay: that is its point.
         common.update(optim="schedule_free_adamw", lr_scheduler_type="constant", lr_scheduler_kwargs={})

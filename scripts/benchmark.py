@@ -28,7 +28,7 @@ from arms import ArmResult, arm_main
 from arms import WeightAverage as WeightAverage  # re-exported: tests/test_weight_average.py imports it from here
 from environment import environment
 from presets import PEER_ARMS, PRESETS, TUNED_HOST_ALLOCATOR
-from report import add_swept_target, equal_evals, plot, print_table, speedups, summarize
+from report import add_swept_target, equal_evals, plot, print_table, speedups, summarize, sweep_fraction
 
 
 def launch(arm: str, args, out_dir: Path, target: float | None, overrides: dict,
@@ -121,7 +121,7 @@ def main() -> None:
     swept_lr = PRESETS[args.preset]["learning_rate"]
     lr = args.learning_rate or swept_lr * args.lr_scale
     sf_swept_lr = args.sf_learning_rate or PRESETS[args.preset].get("sf_learning_rate", swept_lr)
-    peer_lrs = {"ema": lr, "sf": lr, "sf-swept": sf_swept_lr, "swept": swept_lr, "prodigy": 1.0}
+    peer_lrs = {"ema": lr, "sf": lr, "sf-swept": sf_swept_lr, "swept": swept_lr, "prodigy": 1.0, "mechanic": 1.0}
     peers = {name: [] for name in PEER_ARMS if name in args.arms.split(",")}
     baselines, hybrids = [], []
     for r in range(args.repeats):
@@ -156,6 +156,7 @@ def main() -> None:
         report[f"{name}_learning_rate"] = peer_lrs[name]
     if "swept" in peers:
         add_swept_target(report, [s.evals[-1][2] for s in peers["swept"]], ["baseline", "hybrid", *peers])
+        report["sweep_fraction"] = {arm: sweep_fraction(report, arm) for arm in ("hybrid", *peers)}
     if args.mode == "memory":
         report["memory_curves"] = {"baseline": [b.memory_curve for b in baselines],
                                    "hybrid": [h.memory_curve for h in hybrids]}

@@ -29,6 +29,12 @@ PRESETS = {
         block_size=512, batch_size=8, grad_accum=1, max_steps=600, eval_steps=50, eval_blocks=128,
         learning_rate=6e-4, warmup_steps=50, weight_decay=0.1, optim="adamw_torch_fused", bf16=True, hybrid=dict(),
     ),
+    # GPT-2 medium's shape (355M), from scratch as gpt2-124m; its learning_rate is GPT-3's for this size, unswept.
+    "gpt2-355m": dict(
+        model=dict(n_layer=24, n_embd=1024, n_head=16),
+        block_size=512, batch_size=8, grad_accum=1, max_steps=300, eval_steps=50, eval_blocks=128,
+        learning_rate=3e-4, warmup_steps=50, weight_decay=0.1, optim="adamw_torch_fused", bf16=True, hybrid=dict(),
+    ),
 }
 
 
@@ -41,7 +47,23 @@ FINETUNE = dict(
     eval_blocks=128, learning_rate=3e-3, warmup_steps=20, weight_decay=0.0, optim="adamw_torch", bf16=False,
     scheduler="linear", hybrid=dict(),
 )
+# GPT-2 124M pretrained on the shipped Shakespeare by a recipe inside the GPU suite's own call (no Hub there), then
+# fine-tuned on the transformers docstrings as `TrainingArguments` would by default: linear decay, no warmup, no
+# weight decay, at the user's 5e-5 (`--learning_rate`). Its learning_rate, the `swept` arm's, is the from-scratch tuned
+# 6e-4: a reference, not a sweep of this fine-tune.
+FINETUNE_124M = dict(
+    FINETUNE, pretrained="runs/pretrained/gpt2-124m-shakespeare",
+    pretrain_recipe="recipes/configs/gpt2-124m-pretrain.yaml", block_size=512, batch_size=8, max_steps=300,
+    eval_steps=25, learning_rate=6e-4, warmup_steps=0, optim="adamw_torch_fused", bf16=True,
+)
 PRESETS.update({
+    "gpt2-124m-finetune": FINETUNE_124M,
+    # The same suite on a CPU in seconds (scripts/gpu_session.sh with PRESET=smoke, run by the tests).
+    "smoke-finetune": dict(
+        FINETUNE, pretrained="runs/pretrained/gpt2-smoke", pretrain_recipe="recipes/configs/gpt2-smoke-pretrain.yaml",
+        block_size=32, batch_size=4, max_steps=12, eval_steps=6, eval_blocks=8, learning_rate=3e-3,
+        warmup_steps=0, hybrid=PRESETS["smoke"]["hybrid"],
+    ),
     # Schedule-free AdamW's own best LR here (runs 72 and 75, seed 0: 4.3030 at 6e-3, 4.3102 at 1.2e-2), for the
     # sf-swept arm. The other presets have no schedule-free sweep; that arm runs at their swept Trainer LR.
     "cpu-finetune": dict(FINETUNE, sf_learning_rate=6e-3),
@@ -72,6 +94,7 @@ PEER_ARMS = {
     "sf-swept": "schedule-free AdamW, swept LR",
     "swept": "Trainer at the swept LR",
     "prodigy": "Prodigy (no LR: lr 1.0, safeguard_warmup)",
+    "mechanic": "Mechanic (mechanize(AdamW), lr 1.0)",
 }
 SCHEDULE_FREE_ARMS = ("sf", "sf-swept")
 

@@ -108,6 +108,19 @@ def add_swept_target(report: dict, swept_targets: list[float], arms: list[str]) 
     }
 
 
+def sweep_fraction(report: dict, arm: str) -> dict:
+    """G, per pair, in updates and in wall clock: the log of the arm's speedup to the same-LR Trainer's final loss over
+    the log of the swept Trainer's. 1 is what running the swept LR buys; None where the arm or the swept Trainer never
+    reached that loss, or where the swept LR bought nothing."""
+    def ratio(arm_speedup: float | None, swept_speedup: float | None) -> float | None:
+        if not arm_speedup or not swept_speedup or swept_speedup <= 1.0:
+            return None
+        return math.log(arm_speedup) / math.log(swept_speedup)
+
+    return {unit: [ratio(a, s) for a, s in zip(speedups(report, arm, key), speedups(report, "swept", key))]
+            for unit, key in (("updates", "updates_to_target"), ("wall", "time_to_target"))}
+
+
 def print_peers(report: dict) -> None:
     """One line per arm: final loss and time-to-target speedup against the baseline at the same LR, and against the
     swept Trainer's loss."""
@@ -123,11 +136,18 @@ def print_peers(report: dict) -> None:
                 f"({_speedups(speedups(report, arm, 'updates_to_target'))} in updates)")
         if arm in swept:
             line += f"  | vs swept Trainer's loss: {_speedups(swept[arm])}"
+        if arm in report.get("sweep_fraction", {}):
+            g = report["sweep_fraction"][arm]
+            line += f"  | G {_fractions(g['updates'])} in updates, {_fractions(g['wall'])} in wall clock"
         print(line)
 
 
 def _speedups(values: list) -> str:
     return ", ".join("not reached" if s is None else f"{s:.2f}x" for s in values)
+
+
+def _fractions(values: list) -> str:
+    return ", ".join("-" if g is None else f"{g:.2f}" for g in values)
 
 
 def _host_part(timing: dict, key: str, real_seconds: float) -> str:
