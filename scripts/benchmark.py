@@ -70,6 +70,8 @@ def main() -> None:
     parser.add_argument("--lr_scale", type=float, default=1.0,
                         help="run every arm but swept and sf-swept at this fraction of the preset's swept learning "
                              "rate: 0.2 is the LR a user runs without a sweep")
+    parser.add_argument("--swept_learning_rate", type=float, default=0.0,
+                        help="the swept arm's learning rate and the one --lr_scale scales (default: the preset's)")
     parser.add_argument("--sf_learning_rate", type=float, default=0.0,
                         help="the sf-swept arm's learning rate (default: the preset's sf_learning_rate, from "
                              "schedule-free AdamW's own sweep, else its swept learning rate)")
@@ -118,7 +120,7 @@ def main() -> None:
         return sweep(args, root)
     settings = {**PRESETS[args.preset], **{k: v for k, v in (("max_steps", args.max_steps),
                                                               ("grad_accum", args.grad_accum)) if v}}
-    swept_lr = PRESETS[args.preset]["learning_rate"]
+    swept_lr = args.swept_learning_rate or PRESETS[args.preset]["learning_rate"]
     lr = args.learning_rate or swept_lr * args.lr_scale
     sf_swept_lr = args.sf_learning_rate or PRESETS[args.preset].get("sf_learning_rate", swept_lr)
     peer_lrs = {"ema": lr, "sf": lr, "sf-swept": sf_swept_lr, "swept": swept_lr, "prodigy": 1.0, "mechanic": 1.0}

@@ -1,6 +1,8 @@
 """The benchmark's presets and the settings every arm runs under: data only, in one place, shared by benchmark.py,
 its faults mode and jump_lab.py."""
 
+from survey_settings import survey_settings
+
 PRESETS = {
     # A small GPT-2 with the real 50257-token vocabulary, on the shipped corpus: minutes on 2 CPU cores.
     "cpu-small": dict(
@@ -111,3 +113,6 @@ DEMO_SWEPT_REPORT = "docs/demo-speed-swept-lr.json"  # the demo's speed A/B at t
 DEMO_RECORDED_REGIME = ("docs/benchmarks.md, runs 201-206 and 217-219", "full fine-tuning (cpu-finetune) at "
                         "6e-4, a fifth of the swept 3e-3: the autopilot raised it 4x; 2.56x median in updates over 3 "
                         "seeds; at a twentieth, 5.05x; LoRA at a fifth, 2.01x")
+
+# The LR autopilot's survey, split into a tuning half and a report half (survey_settings.py, scripts/survey.py).
+PRESETS.update({f"survey-{name}": setting for name, setting in survey_settings(FINETUNE).items()})

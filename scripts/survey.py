@@ -1,0 +1,130 @@
+"""The LR autopilot's survey (issue 49): per setting of survey_settings.py, a coarse sweep of the Trainer, then every
+arm at the LR a user types beside the Trainer at the swept LR, and G, the share of the sweep's gain each arm recovers.
+
+    python scripts/survey.py list
+    python scripts/survey.py sweep scratch-2x128-docs-constant            # the Trainer over the setting's grid
+    python scripts/survey.py run scratch-2x128-docs-constant --seed 1     # the arms at the user's LR
+    python scripts/survey.py table --half tune                             # G per setting and arm
+
+Reports are kept in docs/survey/ (`--reports`): NAME-sweep-seed0.json and NAME-user-seedS.json. The tuning half is
+read while choosing gates, caps and cadences; the report half only once they are fixed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from presets import PRESETS
+
+HERE = Path(__file__).resolve().parent
+ARMS = "hybrid,prodigy,mechanic,sf,swept"
+G_ARMS = ("hybrid", "prodigy", "mechanic", "sf")
+
+
+def settings() -> dict[str, dict]:
+    return {name.removeprefix("survey-"): p for name, p in PRESETS.items() if name.startswith("survey-")}
+
+
+def benchmark(*args: str) -> None:
+    subprocess.run([sys.executable, str(HERE / "benchmark.py"), *args], check=True)
+
+
+def sweep(name: str, args) -> None:
+    grid = args.learning_rates or ",".join(f"{lr:g}" for lr in settings()[name]["grid"])
+    out = Path(args.work) / name
+    benchmark("--preset", f"survey-{name}", "--mode", "sweep", "--learning_rates", grid, "--seed", "0",
+              *_steps(args), "--output_dir", str(out))
+    shutil.copy(out / f"survey-{name}-sweep" / "sweep-baseline.json", Path(args.reports) / f"{name}-sweep-seed0.json")
+
+
+def user_and_swept_lr(name: str, reports: Path) -> tuple[float, float]:
+    """The setting's swept LR (its sweep's best final loss) and the LR a user types there."""
+    swept = json.loads((reports / f"{name}-sweep-seed0.json").read_text())["best_learning_rate"]
+    return settings()[name]["user_lr"] or swept / 10, swept
+
+
+def run(name: str, args) -> None:
+    user, swept = user_and_swept_lr(name, Path(args.reports))
+    out = Path(args.work) / name
+    benchmark("--preset", f"survey-{name}", "--repeats", "1", "--seed", str(args.seed), "--learning_rate", f"{user:g}",
+              "--swept_learning_rate", f"{swept:g}", "--sf_learning_rate", f"{swept:g}", "--arms", ARMS,
+              *_steps(args), "--output_dir", str(out))
+    shutil.copy(out / f"survey-{name}-speed" / "report.json", Path(args.reports) / f"{name}-user-seed{args.seed}.json")
+
+
+def _steps(args) -> list[str]:
+    return ["--max_steps", str(args.max_steps)] if args.max_steps else []
+
+
+def rows(reports: Path, half: str) -> list[dict]:
+    """Per setting with reports: each arm's median G over seeds, in updates and in wall clock."""
+    out = []
+    for name, setting in settings().items():
+        seeds = sorted(reports.glob(f"{name}-user-seed*.json"))
+        if half != "all" and setting["half"] != half or not seeds:
+            continue
+        runs = [json.loads(path.read_text()) for path in seeds]
+        row = {"setting": name, "half": setting["half"], "seeds": len(runs),
+               "learning_rate": runs[0]["learning_rate"], "swept_learning_rate": runs[0]["swept_learning_rate"]}
+        for arm in G_ARMS:
+            for unit in ("updates", "wall"):
+                values = [r["sweep_fraction"][arm][unit][0] for r in runs if arm in r.get("sweep_fraction", {})]
+                # An arm that never reached the same-LR Trainer's loss recovered nothing of the sweep's gain.
+                values = [0.0 if v is None else v for v in values]
+                row[f"{arm}_{unit}"] = statistics.median(values) if values else None
+        out.append(row)
+    return out
+
+
+def table(args) -> None:
+    found = rows(Path(args.reports), args.half)
+    print(f"G, the share of the sweep's gain recovered at the user's LR (median over seeds; {args.half} half):")
+    print(f"  {'setting':38} {'half':6} {'lr':>8} {'swept':>8} " + " ".join(f"{arm:>15}" for arm in G_ARMS))
+    for row in found:
+        cells = " ".join(f"{_g(row[f'{arm}_updates'])}/{_g(row[f'{arm}_wall'])}".rjust(15) for arm in G_ARMS)
+        print(f"  {row['setting']:38} {row['half']:6} {row['learning_rate']:8.2g} {row['swept_learning_rate']:8.2g} "
+              f"{cells}")
+    if found:
+        ahead = sum((r["hybrid_updates"] or 0) > (r["prodigy_updates"] or 0) for r in found)
+        print(f"  (updates/wall clock) hybrid ahead of Prodigy in updates in {ahead} of {len(found)} settings; "
+              f"median G of the hybrid {statistics.median(r['hybrid_updates'] or 0 for r in found):.2f} in updates")
+    if args.json:
+        Path(args.json).write_text(json.dumps(found, indent=2))
+
+
+def _g(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=["list", "sweep", "run", "table"])
+    parser.add_argument("setting", nargs="?")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--half", choices=["tune", "report", "all"], default="tune")
+    parser.add_argument("--max_steps", type=int, default=0, help="override the setting's steps (smoke runs)")
+    parser.add_argument("--learning_rates", default="", help="sweep: override the setting's grid")
+    parser.add_argument("--reports", default=str(HERE.parent / "docs" / "survey"))
+    parser.add_argument("--work", default="runs/survey")
+    parser.add_argument("--json", help="table: also write the rows here")
+    args = parser.parse_args()
+    Path(args.reports).mkdir(parents=True, exist_ok=True)
+    if args.command == "list":
+        for name, setting in settings().items():
+            print(f"{setting['half']:6} {name:38} user LR {setting['user_lr'] or 'a tenth of the swept'}")
+    elif args.command == "table":
+        table(args)
+    elif args.setting not in settings():
+        sys.exit(f"survey: unknown setting {args.setting!r}; `survey.py list` names them")
+    else:
+        (sweep if args.command == "sweep" else run)(args.setting, args)
+
+
+if __name__ == "__main__":
+    main()

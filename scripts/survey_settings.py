@@ -1,0 +1,62 @@
+"""The LR autopilot's survey (issue 49): settings that differ in what matters to a learning rate, split once into a
+tuning half and a report half before any gate, cap or cadence is chosen on them. The report half is not to be looked
+at while tuning; the split is fixed here, in the same commit that first wrote it.
+
+Every setting is a benchmark preset (`survey-NAME`). Its `user_lr` is the LR a user types: `TrainingArguments`' 5e-5
+for fine-tuning, and a tenth of the setting's swept LR from scratch (`None` until its sweep is run: scripts/survey.py
+reads it from the sweep's report). Corpora are the shipped ones; the Python standard library's source is kept out.
+The GPU suite's two parts at the user's LR (docs/gpu-suite.md) belong to the report half too.
+"""
+
+from __future__ import annotations
+
+FINETUNE_LR = 5e-5  # TrainingArguments' default
+SCRATCH_GRID = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2)
+FINETUNE_GRID = (5e-5, 1.5e-4, 5e-4, 1.5e-3, 5e-3)
+
+
+def _scratch(n_layer: int, n_embd: int, n_head: int, corpus: str, scheduler: str, warmup: int, steps: int,
+             batch: int = 8, accum: int = 1) -> dict:
+    kwargs = dict(num_decay_steps=steps // 5) if scheduler == "warmup_stable_decay" else {}
+    return dict(model=dict(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_positions=64), corpus=corpus,
+                block_size=64, batch_size=batch, grad_accum=accum, max_steps=steps, eval_steps=steps // 10,
+                eval_blocks=128, learning_rate=1e-3, warmup_steps=warmup, weight_decay=0.1, optim="adamw_torch",
+                bf16=False, scheduler=scheduler, scheduler_kwargs=kwargs, hybrid=dict(), grid=SCRATCH_GRID,
+                user_lr=None)
+
+
+def _finetune(finetune: dict, scheduler: str, warmup: int, steps: int, batch: int = 8, accum: int = 1,
+              lora_r: int = 0) -> dict:
+    kwargs = dict(num_decay_steps=steps // 5) if scheduler == "warmup_stable_decay" else {}
+    setting = dict(finetune, batch_size=batch, grad_accum=accum, max_steps=steps, eval_steps=steps // 10,
+                   scheduler=scheduler, scheduler_kwargs=kwargs, warmup_steps=warmup, grid=FINETUNE_GRID,
+                   user_lr=FINETUNE_LR)
+    if lora_r:
+        setting["lora"] = dict(r=lora_r, lora_alpha=2 * lora_r, lora_dropout=0.0,
+                               target_modules=["c_attn", "c_proj", "c_fc"])
+    return setting
+
+
+def survey_settings(finetune: dict) -> dict[str, dict]:
+    """name -> preset, with `half` ("tune" or "report"); `finetune` is the fine-tuning base (presets.FINETUNE)."""
+    tune = {
+        "scratch-2x128-docs-constant": _scratch(2, 128, 4, "transformers-docs", "constant_with_warmup", 10, 200),
+        "scratch-2x64-shakespeare-cosine": _scratch(2, 64, 2, "shakespeare", "cosine", 20, 300),
+        "scratch-4x128-shakespeare-wsd-accum2": _scratch(4, 128, 4, "shakespeare", "warmup_stable_decay", 20, 300,
+                                                          accum=2),
+        "finetune-docs-linear": _finetune(finetune, "linear", 0, 300),
+        "finetune-docs-constant-batch16": _finetune(finetune, "constant_with_warmup", 10, 200, batch=16),
+        "lora16-docs-cosine": _finetune(finetune, "cosine", 20, 300, lora_r=16),
+    }
+    report = {
+        "scratch-2x128-shakespeare-linear": _scratch(2, 128, 4, "shakespeare", "linear", 20, 300),
+        "scratch-3x96-docs-wsd-accum4": _scratch(3, 96, 3, "transformers-docs", "warmup_stable_decay", 20, 300,
+                                                 batch=4, accum=4),
+        "scratch-4x64-docs-constant-batch16": _scratch(4, 64, 2, "transformers-docs", "constant_with_warmup", 20, 200,
+                                                       batch=16),
+        "finetune-docs-cosine-accum2": _finetune(finetune, "cosine", 20, 300, batch=4, accum=2),
+        "finetune-docs-wsd": _finetune(finetune, "warmup_stable_decay", 10, 300),
+        "lora8-docs-linear": _finetune(finetune, "linear", 0, 300, lora_r=8),
+    }
+    return {name: dict(setting, half=half) for half, group in (("tune", tune), ("report", report))
+            for name, setting in group.items()}

@@ -1,0 +1,47 @@
+"""The LR autopilot's survey runner end to end on one setting at a few steps: the split is fixed, the sweep picks the
+swept LR, the arms run at a tenth of it from scratch, and the table reads G from the reports."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+from survey_settings import FINETUNE_LR, survey_settings  # noqa: E402
+
+
+def test_the_split_is_fixed_and_covers_what_matters_to_a_learning_rate():
+    found = survey_settings({"pretrained": "x"})
+    halves = {half: [n for n, s in found.items() if s["half"] == half] for half in ("tune", "report")}
+    assert len(halves["tune"]) == len(halves["report"]) == 6
+    for half in halves.values():  # each half holds runs from scratch, full fine-tunes and LoRA
+        assert {n.split("-")[0].rstrip("0123456789") for n in half} == {"scratch", "finetune", "lora"}
+    schedules = {s["scheduler"] for s in found.values()}
+    assert schedules == {"linear", "cosine", "constant_with_warmup", "warmup_stable_decay"}
+    assert {s["user_lr"] for s in found.values() if "pretrained" in s} == {FINETUNE_LR}
+
+
+def survey(*args: str) -> str:
+    done = subprocess.run([sys.executable, str(SCRIPTS / "survey.py"), *args], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_a_setting_is_swept_then_run_at_a_tenth_of_its_swept_lr(tmp_path):
+    where = ["--reports", str(tmp_path / "reports"), "--work", str(tmp_path / "work"), "--max_steps", "8"]
+    name = "scratch-2x64-shakespeare-cosine"
+    survey("sweep", name, "--learning_rates", "1e-4,1e-2", *where)
+    swept = json.loads((tmp_path / "reports" / f"{name}-sweep-seed0.json").read_text())["best_learning_rate"]
+    survey("run", name, *where)
+    report = json.loads((tmp_path / "reports" / f"{name}-user-seed0.json").read_text())
+    assert report["learning_rate"] == pytest.approx(swept / 10) and report["swept_learning_rate"] == swept
+    assert {"hybrid", "prodigy", "mechanic", "sf"} <= set(report["sweep_fraction"])
+    out = survey("table", "--half", "all", "--json", str(tmp_path / "table.json"), *where[:4])
+    rows = json.loads((tmp_path / "table.json").read_text())
+    assert [row["setting"] for row in rows] == [name] and name in out
