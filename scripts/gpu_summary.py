@@ -38,7 +38,6 @@ def part_rows(report: dict) -> list[dict]:
         wall = [s for s in speedups(report, arm) if s is not None]
         updates = [s for s in speedups(report, arm, "updates_to_target") if s is not None]
         g = report.get("sweep_fraction", {}).get(arm, {})
-        stats = report[arm][0].get("hybrid_stats") or {}
         rows.append({
             "arm": arm, "learning_rate": report.get(f"{arm}_learning_rate", report["learning_rate"]),
             "final_eval_loss": statistics.median(r["final_eval_loss"] for r in report[arm]),
@@ -46,7 +45,6 @@ def part_rows(report: dict) -> list[dict]:
             "wall_median": statistics.median(wall) if len(wall) == len(report[arm]) else None,
             "updates_median": statistics.median(updates) if len(updates) == len(report[arm]) else None,
             "g_updates": (g.get("updates") or [None])[0], "g_wall": (g.get("wall") or [None])[0],
-            "lr_scale_final": stats.get("lr_scale"),
             "tokens_per_second": statistics.median(r["tokens_per_second"] for r in report[arm]),
             "peak_memory_mb": report[arm][0]["peak_memory_mb"],
         })

@@ -15,22 +15,25 @@ SCRATCH_GRID = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2)
 FINETUNE_GRID = (5e-5, 1.5e-4, 5e-4, 1.5e-3, 5e-3)
 
 
+def _schedule_kwargs(scheduler: str, steps: int) -> dict:
+    """Warmup-stable-decay decays over the last fifth; the other schedules take no arguments."""
+    return dict(num_decay_steps=steps // 5) if scheduler == "warmup_stable_decay" else {}
+
+
 def _scratch(n_layer: int, n_embd: int, n_head: int, corpus: str, scheduler: str, warmup: int, steps: int,
              batch: int = 8, accum: int = 1) -> dict:
-    kwargs = dict(num_decay_steps=steps // 5) if scheduler == "warmup_stable_decay" else {}
     return dict(model=dict(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_positions=64), corpus=corpus,
                 block_size=64, batch_size=batch, grad_accum=accum, max_steps=steps, eval_steps=steps // 10,
                 eval_blocks=128, learning_rate=1e-3, warmup_steps=warmup, weight_decay=0.1, optim="adamw_torch",
-                bf16=False, scheduler=scheduler, scheduler_kwargs=kwargs, hybrid=dict(), grid=SCRATCH_GRID,
-                user_lr=None)
+                bf16=False, scheduler=scheduler, scheduler_kwargs=_schedule_kwargs(scheduler, steps), hybrid=dict(),
+                grid=SCRATCH_GRID, user_lr=None)
 
 
 def _finetune(finetune: dict, scheduler: str, warmup: int, steps: int, batch: int = 8, accum: int = 1,
               lora_r: int = 0) -> dict:
-    kwargs = dict(num_decay_steps=steps // 5) if scheduler == "warmup_stable_decay" else {}
     setting = dict(finetune, batch_size=batch, grad_accum=accum, max_steps=steps, eval_steps=steps // 10,
-                   scheduler=scheduler, scheduler_kwargs=kwargs, warmup_steps=warmup, grid=FINETUNE_GRID,
-                   user_lr=FINETUNE_LR)
+                   scheduler=scheduler, scheduler_kwargs=_schedule_kwargs(scheduler, steps), warmup_steps=warmup,
+                   grid=FINETUNE_GRID, user_lr=FINETUNE_LR)
     if lora_r:
         setting["lora"] = dict(r=lora_r, lora_alpha=2 * lora_r, lora_dropout=0.0,
                                target_modules=["c_attn", "c_proj", "c_fc"])
