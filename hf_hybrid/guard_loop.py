@@ -62,7 +62,7 @@ class GuardAtLoop:
         if saved is not None:
             self.guard.load_state_dict(saved["stats"])
             reference = saved["reference"]
-            # Checkpoints from before session 28 hold no item count: their reference is judged as a plain mean.
+            # A checkpoint without the reference's item count: its reference is judged as a plain mean.
             unit = (reference, saved.get("reference_items"))
             self.reference = move_unit(unit, trainer.args.device) if reference else None
 

@@ -11,7 +11,7 @@ costs no memory beyond the guard's. A checkpoint saved during a trial asks for a
 takes that one too), so the undo point moves to the save and resumed and uninterrupted runs stay bit for bit equal.
 An undone trial gives the batches since its undo point back to the data stream (replay.py), as a rolled-back jump does:
 otherwise they would be skipped, and the run would follow another data order than the Trainer's (measured on cpu-lora,
-seed 1: a run whose one raise was undone and whose jumps were all rejected ended 0.0015 above the Trainer, run 114).
+seed 1: a run whose one raise was undone and whose jumps were all rejected ended 0.0015 above the Trainer).
 """
 
 from __future__ import annotations
@@ -34,14 +34,14 @@ logger = logging.get_logger(__name__)
 # A reading costs three forwards (1.2-2.7 steps on a CPU; 68-117 ms against a 44 ms step at GPT-2 124M on a GPU), so
 # one that asks for nothing and leaves no steady reach within reach doubles the gap, without a bound: a tuned run
 # reads about log2(steps) times. Capped at 80 steps, the readings took 4.4% of a 600-step GPT-2 124M run on a GPU that
-# never raised (docs/benchmarks.md, run 250), and would take 2-3% of any longer one. Lines of 0-1 steps (tuned runs)
-# count as no line. The late raises on record in tuned runs (a steady reach at cpu-small's own LR, runs 191 and 200)
-# were undone by their verdicts. The end line says what the readings cost.
+# never raised (docs/benchmarks.md), and would take 2-3% of any longer one. Lines of 0-1 steps (tuned runs)
+# count as no line. The late raises on record in tuned runs (a steady reach at cpu-small's own LR) were undone by
+# their verdicts. The end line says what the readings cost.
 READ_EVERY = 10
 # No raise starts in the first steps after the schedule's warmup either: a run from scratch is still in its first
 # descent there, which reads long at any LR. On cpu-small (20 warmup steps) at its own LR the line read 8.2-8.6 steps
-# at step 20 and 4.3-5.3 at 25, then 0-1.9 from step 30 (seeds 0-2); a raise at step 21 ended that run 0.28 above the
-# Trainer (docs/benchmarks.md, runs 188-189).
+# at step 20 and 4.3-5.3 at 25, then 0-1.9 from step 30 (seeds 0-2); a raise at step 21 ended 0.28 above the
+# Trainer (docs/benchmarks.md).
 FIRST_DESCENT_STEPS = 10
 
 
@@ -113,7 +113,7 @@ class LrAutopilot:
         LR (measured on cpu-long at a fifth of the swept LR: 78 and 189 steps at steps 21 and 31, which raised it to
         twice the swept LR and ended 0.06 above the Trainer), nor in the schedule's final decay (below half its
         peak), nor where the run would end before its verdict, READ_EVERY steps on (a constant schedule has no decay
-        to stop it: `cpu-small` with faults raised its own LR 2.5x 3 steps before the end, run 236)."""
+        to stop it: `cpu-small` with faults raised its own LR 2.5x 3 steps before the end)."""
         state = self.trainer.state
         return (self._scheduler.last_epoch < self._raise_from() or self._schedule_factor() < 0.5
                 or state.max_steps - state.global_step < READ_EVERY)
@@ -171,7 +171,7 @@ class LrAutopilot:
         would have by more than the jumps' noise margin; an even result keeps it. Unlike a jump, a raise was asked for
         by evidence of its own (a line at least twice as long as the steps it aims for), and what it is worth accrues
         over hundreds of steps: on cpu-lora at a fifth of the swept LR the swept LR's lead on the probe grew by 0.0027
-        per 10 steps on average, against a noise of 0.02 on one trial's verdict (session 22), so a verdict that asked
+        per 10 steps on average, against a noise of 0.02 on one trial's verdict, so a verdict that asked
         the trial to prove its gain would undo every raise there. An overshoot shows at once. With no undo point to
         compare against (a trial whose steps the guard all vetoed), the raise cannot be judged and is undone."""
         trainer = self.trainer

@@ -14,7 +14,7 @@ step (step_line.py): the weights W, W + c*step and W + 2c*step. Call their losse
   A reach of RAISE_REACH or more says the steps are too short. So does a steady one: one reading on one batch is
   noisy (at a fifth of the swept LR in LoRA it read 0-8.7 steps over steps 25-90, and at the swept LR 0-1.9, mostly 0),
   but the median of the last STEADY_READINGS readings taken where a raise may start separates them: 1.4-2.5 at a fifth
-  by steps 40-65 in every seed, at most 0.81 at the swept LR and at 3x it in every regime measured (session 23).
+  by steps 40-65 in every seed, at most 0.81 at the swept LR and at 3x it in every regime measured.
 
 A raise is a trial. The scale is multiplied by what would put the line's bottom at TARGET_REACH steps (a steady
 reach: its median at STEADY_TARGET), at most MAX_RAISE at a time and MAX_SCALE in all, and the trainer takes an undo
@@ -25,7 +25,7 @@ the old scale would have reached over the same batches (trial_verdict.py), and t
 Any step the guard flags starts the steady window again, and no raise starts before the STEADY_READINGS-th reading
 after it: readings on either side of bad data are not one steady run. In a faulted run at the swept LR, a median of
 1.55 over readings that straddled a rollback and a NaN step raised the LR 3.1x, and the verdict kept it at a gain of
--0.048 (1.6 SE, inside the margin); the run ended 0.054 above its clean Trainer (run 232 in docs/benchmarks.md).
+-0.048 (1.6 SE, inside the margin); the run ended 0.054 above its clean Trainer (docs/benchmarks.md).
 A guard rollback (the weights were damaged) also ends a trial and lowers a raised scale. The scale never goes below
 the user's LR: a run too fast for its data is the guard's to catch.
 The same reading holds the jumps back: a reach under TARGET_REACH says today's steps already go as far as the line

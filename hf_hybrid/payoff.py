@@ -16,7 +16,7 @@ noise that swamps a comparison of different batches' losses.
 The prediction pays when that gain is at least what plain training would have made for the phase's cost, by
 `noise_margin` standard errors of the gain: one batch is a sample of sequences, and a gain that a few of them carry
 is noise (measured on cpu-lora at 3x the swept LR: a jump kept on a gain of 0.0035 with a standard error of 0.0029,
-up on 4 of its 8 sequences, left the run 0.0044 above the Trainer; runs 130 and 135 in docs/benchmarks.md).
+up on 4 of its 8 sequences, ended 0.0044 above the Trainer; docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ class PayoffMeter:
     def use_rate(self, rate: float) -> None:
         """Plain training's rate measured on the probe itself (the cycle's start and end, one batch): paired, so
         it holds where the loss slope over many batches is flat or noise, as in low-LR fine-tuning. It counts what
-        a kept jump was worth in steps; the verdict keeps the slope (the rule runs 50-79 measured)."""
+        a kept jump was worth in steps; the verdict keeps the slope."""
         self.probe_rate = max(rate, 0.0)
 
     def verdict(self, gain: float, noise: float = 0.0) -> bool:

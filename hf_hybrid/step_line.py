@@ -5,7 +5,7 @@ W + c*step and W + 2c*step puts a parabola along it; where it bottoms out, in st
 the current direction is worth. At a fixed point that number scales as 1 / lr (the step is proportional to the LR,
 the curvature it meets to its square), so it reads the LR itself, where the line an outer cycle travelled does not:
 measured on cpu-finetune from step 60, a parabola bottom at 0-0.5 steps at the swept LR and 10-270 steps at a
-twentieth of it (docs/benchmarks.md, session 14).
+twentieth of it (docs/benchmarks.md).
 
 Three forwards, two moves along the step and one copy of the weights (the jump's undo copy, which exists only while
 it is in use), made after the optimizer step, when the gradients it stands in for are freed; the weights come back

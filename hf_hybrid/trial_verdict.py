@@ -6,10 +6,10 @@ gone about 1/r of the way (r: the raise), to W0 + (W - W0) / r. The probe batch 
 sequence; the raise is undone when W is worse than that point by more than the noise margin of the jumps' probe
 (`LrAutopilot._raise_paid` says why an even result keeps it).
 
-That is a counterfactual on the same batches. The rule it replaces compared the probe's progress per step under the
-raise with the progress per step before it, and early in a run that falls several times over whatever the LR (cpu-lora
-at a fifth of the swept LR, plain Trainer: 0.0164 per step over steps 20-40, 0.0027 over 40-60), so a raise that paid
-was undone (runs 111, 114 in docs/benchmarks.md).
+That is a counterfactual on the same batches. The probe's progress per step under the raise, against its progress
+before the raise, would not do: early in a run that falls several times over whatever the LR (cpu-lora at a fifth of
+the swept LR, plain Trainer: 0.0164 per step over steps 20-40, 0.0027 over 40-60), so a raise that paid would be
+undone (docs/benchmarks.md).
 
 Two forwards and one copy of the weights (the jump's undo copy, free outside a jump), once per trial; under DDP the
 undo point's weights are broadcast from rank 0, which alone keeps them.
