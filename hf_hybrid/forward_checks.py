@@ -16,6 +16,7 @@ from transformers import Trainer
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 from .rng import forked_rng
+from .seam import HybridTrainer
 
 
 @contextmanager
@@ -75,14 +76,14 @@ def predict_step_loss(trainer: Trainer, model: torch.nn.Module, inputs: dict,
         return training_step_loss(trainer, model, inputs, num_items_in_batch).detach()
 
 
-def training_step_loss(trainer: Trainer, model: torch.nn.Module, inputs: dict,
+def training_step_loss(trainer: HybridTrainer, model: torch.nn.Module, inputs: dict,
                        num_items_in_batch: torch.Tensor | int | None) -> torch.Tensor:
     """A micro-batch's loss as `Trainer.training_step` computes and scales it, under the caller's grad mode and RNG:
     on the scale of the loss the Trainer logs and the guard judges. A plain mean can differ from it: where the Trainer
     does not see that the loss shifts the labels it counts every label, one more per sequence than the loss averages
     over (1.6% at 64 tokens, measured: docs/benchmarks.md)."""
     with trainer.compute_loss_context_manager():
-        loss = trainer.compute_loss(model, trainer._prepare_inputs(inputs), num_items_in_batch=num_items_in_batch)
+        loss = trainer.compute_loss(model, trainer.prepare_inputs(inputs), num_items_in_batch=num_items_in_batch)
     scaled = getattr(trainer, "loss_is_scaled_for_ga", None)  # absent from older transformers (5.17)
     if scaled is None:  # the same rule as Trainer.training_step
         scaled = (trainer.model_accepts_loss_kwargs and num_items_in_batch is not None) or (

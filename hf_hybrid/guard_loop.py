@@ -21,6 +21,7 @@ from .guard import Action, GuardEvent, StepGuard
 from .host_memory import available_host_bytes, host_memory_warning, local_ranks, rollback_state_bytes
 from .replay import Unit, move_unit
 from .rng import forked_rng
+from .seam import HybridTrainer
 from .snapshot import TrainingSnapshot, rng_state
 
 logger = logging.get_logger(__name__)
@@ -33,7 +34,7 @@ class GuardStoppedError(RuntimeError):
 class GuardAtLoop:
     """The guard's state on one rank of a run, and the Trainer-side work of its verdicts."""
 
-    def __init__(self, trainer, saved: dict | None) -> None:
+    def __init__(self, trainer: HybridTrainer, saved: dict | None) -> None:
         settings = trainer.hybrid_settings
         self.trainer = trainer
         self.guard = StepGuard(window=settings.hybrid_guard_window, threshold=settings.hybrid_guard_threshold,
@@ -41,7 +42,7 @@ class GuardAtLoop:
                                max_rollbacks=settings.hybrid_guard_max_rollbacks,
                                grad_norm_outliers=not trainer.args.max_grad_norm)
         # Under DDP every rank holds the same state, so one rank keeps the snapshot for all (FSDP2: each its shards).
-        sharded = bool(trainer._hybrid.predictor.shard_groups)
+        sharded = bool(trainer.hybrid_engine.predictor.shard_groups)
         self.snapshot = TrainingSnapshot(replicated=trainer.accelerator.num_processes > 1 and not sharded)
         # The micro-batches of the real step under way, with the Trainer's `num_items_in_batch` for them; and the
         # last accepted step's, which tell bad weights from bad data.
@@ -74,7 +75,7 @@ class GuardAtLoop:
 
     def vetoes(self, model, loss: float, grad_norm: float | None) -> bool:
         """The verdict on a real step; a flagged step is vetoed now and dealt with at the step's end."""
-        trainer, guard, engine = self.trainer, self.guard, self.trainer._hybrid
+        trainer, guard, engine = self.trainer, self.guard, self.trainer.hybrid_engine
         step = trainer.state.global_step
         event = guard.check(step + 1, loss, grad_norm)
         jump_open = engine.snapshot.valid
@@ -84,7 +85,7 @@ class GuardAtLoop:
         if jump_open:
             event.action = Action.SKIP  # the engine rolls the jump back, to weights known to be good
         elif event.action is Action.SKIP and self.reference is not None:
-            guard.judge_weights(event, *trainer._hybrid_reduce(*self._reference_signals(model)))
+            guard.judge_weights(event, *trainer.reduce_across_ranks(*self._reference_signals(model)))
         guard.escalate(event, has_snapshot=self.snapshot.valid)
         engine.record.loss = loss
         diverged = non_finite(loss, grad_norm) is not None
@@ -103,7 +104,7 @@ class GuardAtLoop:
         after the last one, and at the next accepted step after a save or a learning-rate raise (a resumed run takes
         that one too); where no cycle starts, or for a raise's trial, with a copy of the weights of its own (1x the
         parameters more), kept until the next cycle starts or, on a trial, until its verdict."""
-        trainer, engine, snapshot = self.trainer, self.trainer._hybrid, self.snapshot
+        trainer, engine, snapshot = self.trainer, self.trainer.hybrid_engine, self.snapshot
         step = trainer.state.global_step
         every = trainer.hybrid_settings.hybrid_guard_snapshot_steps
         # The rollback point is never older than `every` steps, however long a cycle is (the warmup's, or one that a
@@ -116,7 +117,7 @@ class GuardAtLoop:
             # cycle start (and a run resumed mid-trial takes its first one as the trial's too).
             own = self._keeps_own_copy() or not cycle_started
             snapshot.capture(step, engine.made_up_steps, engine.params, engine.optimizer,
-                             trainer._hybrid_steps.schedule_state(), on_held_weights=not own,
+                             trainer.step_veto.schedule_state(), on_held_weights=not own,
                              held_weights=engine.predictor.held_weights(), rng=self.step_rng)
             self.snapshot_asked = False
             if not self.memory_checked:
@@ -129,7 +130,7 @@ class GuardAtLoop:
     def _snapshot_possible(self) -> bool:
         """Not before the optimizer has state (AdamW creates it at its first step; a resumed run has it from the
         start), and never inside a jump: the engine may still reject it, and a snapshot would bring it back."""
-        engine = self.trainer._hybrid
+        engine = self.trainer.hybrid_engine
         return bool(self.trainer.hybrid_settings.hybrid_guard_snapshot_steps and engine.optimizer.state
                     and not engine.snapshot.valid)
 
@@ -152,7 +153,7 @@ class GuardAtLoop:
 
     def _check_host_memory(self) -> None:
         self.memory_checked = True
-        size = rollback_state_bytes(self.trainer._hybrid, self.snapshot)
+        size = rollback_state_bytes(self.trainer.hybrid_engine, self.snapshot)
         line = host_memory_warning(size, available_host_bytes(), local_ranks(), self.snapshot.replicated)
         if line is not None and self.trainer.args.local_process_index == 0:
             logger.warning(line)
@@ -190,7 +191,7 @@ class GuardAtLoop:
     def _act(self, event: GuardEvent, control) -> None:
         """Carry out a flagged step's verdict: the skip is done (vetoed, made up); a rollback or a stop puts the last
         snapshot back and drops the batches since it. Then one warning line says what happened."""
-        trainer, engine, snapshot = self.trainer, self.trainer._hybrid, self.snapshot
+        trainer, engine, snapshot = self.trainer, self.trainer.hybrid_engine, self.snapshot
         done = "skipped the step; its batch is dropped"
         if event.action is not Action.SKIP and snapshot.valid:
             undone = self.restore_snapshot(engine.record.step)
@@ -221,11 +222,11 @@ class GuardAtLoop:
         """Put the snapshot back at the end of optimizer step `step` (0-based): weights, optimizer state, schedule
         and RNG. The updates since it no longer count and are made up; the batches since it are dropped. Returns how
         many updates were undone."""
-        trainer, engine, snapshot = self.trainer, self.trainer._hybrid, self.snapshot
+        trainer, engine, snapshot = self.trainer, self.trainer.hybrid_engine, self.snapshot
         schedule = snapshot.restore(engine.params, engine.optimizer)
         undone = (step + 1 - snapshot.step) - (engine.made_up_steps - snapshot.made_up)
         engine.made_up_steps += undone
-        trainer._hybrid_steps.make_up(undone, schedule)
+        trainer.step_veto.make_up(undone, schedule)
         engine.weights_restored()
         self.reference = None
         return undone

@@ -16,6 +16,7 @@ import time
 from transformers import TrainerCallback
 
 from .controller import Phase
+from .seam import HybridTrainer
 
 MIN_JUMPS = 3  # timed jumps, the first (which allocates the jump's buffers) left out
 MIN_OVERCHARGE = 2.0  # the measured cost over the charge worth a line (a CPU fine-tuning jump: 1.8x)
@@ -27,7 +28,7 @@ class JumpClock(TrainerCallback):
     (that step starts the next cycle: the anchor's copy out, the guard's snapshot); its charge is what the payoff clock
     advanced over its Predict steps. A jump right after another leaves the first untimed."""
 
-    def __init__(self, trainer) -> None:
+    def __init__(self, trainer: HybridTrainer) -> None:
         self.trainer = trainer
         self.on_train_begin()
 
@@ -39,14 +40,14 @@ class JumpClock(TrainerCallback):
         self.open_jump: list[float] | None = None
 
     def on_step_begin(self, args, state, control, **kwargs):
-        engine = self.trainer._hybrid
+        engine = self.trainer.hybrid_engine
         if engine is not None:
             controller = engine.controller
             self.started = (time.perf_counter(), engine.payoff.clock,
                             controller.phase is Phase.PREDICT and controller.steps_in_phase == 0)
 
     def on_step_end(self, args, state, control, **kwargs):
-        engine = self.trainer._hybrid
+        engine = self.trainer.hybrid_engine
         if engine is None or engine.last_record is None or self.started is None:
             return
         began, clock, jump_starts = self.started

@@ -24,6 +24,7 @@ from transformers.utils import logging
 from .config import lr_autopilot_missing
 from .guard_loop import GuardAtLoop
 from .lr_scale import LrScale
+from .seam import HybridTrainer
 from .step_line import SPACING, adam_family, next_step_line
 from .trial_verdict import raise_gain
 
@@ -55,7 +56,7 @@ def scalable_schedule(trainer) -> bool:
 class LrAutopilot:
     """The judged learning-rate scale of one run, identical on every rank."""
 
-    def __init__(self, trainer, guard_loop: GuardAtLoop, saved: dict | None) -> None:
+    def __init__(self, trainer: HybridTrainer, guard_loop: GuardAtLoop, saved: dict | None) -> None:
         self.trainer, self.guard_loop = trainer, guard_loop
         self.scale = LrScale()
         self.user_base_lrs = list(self._scheduler.base_lrs)
@@ -80,7 +81,7 @@ class LrAutopilot:
         """Keep the run's first micro-batch as the probe. Trained on once, at the first step, which later readings
         no longer see; a batch never trained on would have to be held out of the user's data."""
         if self.probe is None:
-            self.probe = {k: v.detach().clone() for k, v in self.trainer._prepare_inputs(inputs).items()
+            self.probe = {k: v.detach().clone() for k, v in self.trainer.prepare_inputs(inputs).items()
                           if isinstance(v, torch.Tensor)}
 
     @property
@@ -119,7 +120,7 @@ class LrAutopilot:
                 or state.max_steps - state.global_step < READ_EVERY)
 
     def _wants_reading(self, step: int, real_step: bool) -> bool:
-        engine = self.trainer._hybrid
+        engine = self.trainer.hybrid_engine
         due = step - self.last_reading >= self.read_every and self.probe is not None
         idle = real_step and not engine.snapshot.valid  # the jump's undo buffer is free
         # One reading before raises may start, so that the first one after it has a rate and can raise.
@@ -131,7 +132,7 @@ class LrAutopilot:
     def end_step(self, step: int, real_step: bool, guard_action: str | None) -> None:
         """At an optimizer step's end: act on a guard flag, and every few real steps read the next step's line."""
         scale, before = self.scale, self.scale.scale
-        replay = self.trainer._hybrid.replay
+        replay = self.trainer.hybrid_engine.replay
         self.last_line = self.last_verdict = None
         if guard_action is not None:
             replay.end_trial()  # the guard dropped batches inside the trial; they are not given back
@@ -140,7 +141,8 @@ class LrAutopilot:
             started = self._clock()
             had_rate = scale.last_loss is not None  # a first reading, or one after a rollback, asks for nothing yet
             trainer = self.trainer
-            line = trainer._hybrid_reduce(*next_step_line(trainer, trainer.model_wrapped, trainer._hybrid, self.probe))
+            line = trainer.reduce_across_ranks(*next_step_line(trainer, trainer.model_wrapped, trainer.hybrid_engine,
+                                                               self.probe))
             self.last_line = tuple(line)
             decision = scale.reading(*line, spacing=SPACING, steps=step - self.last_reading,
                                      schedule_factor=self._schedule_factor(), frozen=self._frozen(),
@@ -177,7 +179,7 @@ class LrAutopilot:
         trainer = self.trainer
         if not self.guard_loop.snapshot.valid:
             return False
-        gain, noise = raise_gain(trainer, trainer.model_wrapped, trainer._hybrid, self.probe,
+        gain, noise = raise_gain(trainer, trainer.model_wrapped, trainer.hybrid_engine, self.probe,
                                  self.guard_loop.snapshot, self.scale.trial_raise)
         self.last_verdict = (gain, noise)
         return gain + trainer.hybrid_settings.hybrid_probe_noise_margin * noise >= 0
@@ -186,7 +188,7 @@ class LrAutopilot:
         undone = 0
         if self.guard_loop.snapshot.valid:
             undone = self.guard_loop.restore_snapshot(step)
-            self.trainer._hybrid.replay.undo_trial()  # the undone updates train again on their own batches
+            self.trainer.hybrid_engine.replay.undo_trial()  # the undone updates train again on their own batches
         if self.trainer.is_world_process_zero():
             logger.warning(f"hf_hybrid: a learning rate {tried / self.scale.scale:.2g}x higher did not pay over the "
                            f"steps since it was raised; undone ({undone} updates), back to {self.learning_rate:.2g}.")
@@ -227,7 +229,7 @@ class LrAutopilot:
                 "last_reading": self.last_reading, "read_every": self.read_every, "probe": probe}
 
 
-def build_autopilot(trainer, guard_loop: GuardAtLoop | None, saved: dict | None) -> LrAutopilot | None:
+def build_autopilot(trainer: HybridTrainer, guard_loop: GuardAtLoop | None, saved: dict | None) -> LrAutopilot | None:
     """The run's autopilot when `--hybrid_lr_autopilot` asks for it and the run has what it needs; otherwise None,
     with one line saying why."""
     missing = lr_autopilot_missing(trainer.hybrid_settings)

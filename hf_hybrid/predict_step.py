@@ -11,15 +11,15 @@ from __future__ import annotations
 import math
 
 import torch
-from transformers import Trainer
 
 from .forward_checks import predict_step_loss, probe_loss, probe_loss_by_sequence
+from .seam import HybridTrainer
 
 
-def predict_training_step(trainer: Trainer, model: torch.nn.Module, inputs: dict,
+def predict_training_step(trainer: HybridTrainer, model: torch.nn.Module, inputs: dict,
                           num_items_in_batch: torch.Tensor | int | None, first_micro_batch: bool) -> torch.Tensor:
     """What `HybridMixin.training_step` runs on a Predict micro-batch; returns the loss the Trainer logs."""
-    engine = trainer._hybrid
+    engine = trainer.hybrid_engine
     probe_is_the_step = engine.starts_prediction and engine.ends_prediction and (
         trainer.current_gradient_accumulation_steps == 1
     )
@@ -28,22 +28,22 @@ def predict_training_step(trainer: Trainer, model: torch.nn.Module, inputs: dict
     if first_micro_batch:
         at_anchor = False
         if engine.starts_prediction and trainer.hybrid_settings.hybrid_payoff_check:
-            probe = trainer._prepare_inputs(inputs)
+            probe = trainer.prepare_inputs(inputs)
             loss, rows = probe_loss_by_sequence(trainer, model, probe, probe_items)
-            engine.set_probe(probe, trainer._hybrid_reduce(loss)[0], rows)
+            engine.set_probe(probe, trainer.reduce_across_ranks(loss)[0], rows)
             if getattr(engine.predictor, "cycle_steps", None) is not None:
                 engine.set_cycle_start(anchor_loss(trainer, model, engine, probe_items))
                 at_anchor = True
-        engine.apply_prediction(trainer._hybrid_lr(), at_anchor)
+        engine.apply_prediction(trainer.current_learning_rate(), at_anchor)
     rows_after = None
     if probe_is_the_step and engine.probe is not None:
         loss, rows_after = probe_loss_by_sequence(trainer, model, engine.probe, probe_items)
-        trainer._hybrid_last_loss = loss
+        trainer.step_losses.last = loss
     else:
         loss = _micro_batch_loss(trainer, model, inputs, num_items_in_batch, engine.monitored)
-    trainer._hybrid_window_loss += loss.detach().float()
+    trainer.step_losses.window += loss.detach().float()
     if trainer.accelerator.sync_gradients:  # the last micro-batch of this optimizer step
-        monitored_loss = trainer._hybrid_reduce(trainer._hybrid_window_loss)[0] if engine.monitored else None
+        monitored_loss = trainer.reduce_across_ranks(trainer.step_losses.window)[0] if engine.monitored else None
         engine.check_predict_step(monitored_loss)
         # The run's last step judges an open jump early, so that a rejected one is made up like any other.
         last_step = trainer.state.global_step + 1 >= trainer.state.max_steps
@@ -53,38 +53,39 @@ def predict_training_step(trainer: Trainer, model: torch.nn.Module, inputs: dict
                                    forward_run=False)
             else:
                 loss_after, rows_after = probe_loss_by_sequence(trainer, model, engine.probe)
-                engine.judge_probe(trainer._hybrid_reduce(loss_after)[0],
+                engine.judge_probe(trainer.reduce_across_ranks(loss_after)[0],
                                    paired_noise(trainer, engine.probe_rows, rows_after))
-        trainer._hybrid_steps.veto(predict_step=True)
+        trainer.step_veto.veto(predict_step=True)
     return loss
 
 
-def paired_noise(trainer: Trainer, before: torch.Tensor | None, after: torch.Tensor | None) -> float:
+def paired_noise(trainer: HybridTrainer, before: torch.Tensor | None, after: torch.Tensor | None) -> float:
     """The standard error of the probe's gain, from its sequences' paired differences over every rank's probe
     micro-batch (equal in size on every rank); 0 where the sequences' losses cannot be read."""
     if before is None or after is None:
         return 0.0
     gains = (before - after).float()
-    mean, mean_square = trainer._hybrid_reduce(gains.mean(), gains.square().mean())
+    mean, mean_square = trainer.reduce_across_ranks(gains.mean(), gains.square().mean())
     n = gains.numel() * trainer.accelerator.num_processes
     return math.sqrt(max(mean_square - mean * mean, 0.0) / (n - 1)) if n > 1 else 0.0
 
 
 @torch.no_grad()
-def anchor_loss(trainer: Trainer, model: torch.nn.Module, engine, probe_items: torch.Tensor | int | None) -> float:
+def anchor_loss(trainer: HybridTrainer, model: torch.nn.Module, engine,
+                probe_items: torch.Tensor | int | None) -> float:
     """The probe's loss at the outer cycle's start (the anchor A): one in-place move of the weights and one forward.
     The weights stay at A, where the jump reads it, so it is not brought from host memory twice."""
     engine.predictor.load_anchor()
     loss = probe_loss(trainer, model, engine.probe, probe_items)
-    return trainer._hybrid_reduce(loss)[0]
+    return trainer.reduce_across_ranks(loss)[0]
 
 
-def _micro_batch_loss(trainer: Trainer, model: torch.nn.Module, inputs: dict,
+def _micro_batch_loss(trainer: HybridTrainer, model: torch.nn.Module, inputs: dict,
                       num_items_in_batch: torch.Tensor | int | None, monitored: bool) -> torch.Tensor:
     """A no-grad forward to check the loss, or nothing at all on an unmonitored step."""
     if monitored:
-        trainer._hybrid_last_loss = predict_step_loss(trainer, model, inputs, num_items_in_batch)
+        trainer.step_losses.last = predict_step_loss(trainer, model, inputs, num_items_in_batch)
     # Unmonitored, the Trainer only sums this for its loss log: repeat the last checked loss rather than log a 0.
-    if trainer._hybrid_last_loss is None:
+    if trainer.step_losses.last is None:
         return torch.zeros((), device=trainer.args.device)
-    return trainer._hybrid_last_loss
+    return trainer.step_losses.last

@@ -15,6 +15,8 @@ from transformers.trainer_callback import DefaultFlowCallback, ProgressCallback,
 from transformers.trainer_utils import IntervalStrategy, SaveStrategy
 from transformers.utils import logging
 
+from .seam import HybridTrainer
+
 logger = logging.get_logger(__name__)
 
 
@@ -150,7 +152,7 @@ class CountedStepSchedule(TrainerCallback):
                 engine.evaluated_count = counted // every * every
 
     @staticmethod
-    def install(trainer) -> None:
+    def install(trainer: HybridTrainer) -> None:
         callbacks = trainer.callback_handler.callbacks
         after = next((i + 1 for i, c in enumerate(callbacks) if isinstance(c, DefaultFlowCallback)), len(callbacks))
-        callbacks.insert(after, CountedStepSchedule(lambda: trainer._hybrid))
+        callbacks.insert(after, CountedStepSchedule(lambda: trainer.hybrid_engine))

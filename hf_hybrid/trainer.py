@@ -3,7 +3,8 @@
 Thin glue: the Trainer subclass holds its overrides, and what they call lives in rooms named for their job:
 engine.py (the step's phases and the jump), step_veto.py (vetoed and undone steps), guard_loop.py (the guard at the
 loop), checkpoint.py (the hybrid state in checkpoints), trace.py (the step trace), predict_step.py (a step with no
-backward), jump_clock.py (a jump's wall time against its charge). Each override exists for one reason:
+backward), jump_clock.py (a jump's wall time against its charge); they reach the trainer through seam.py's protocol.
+Each override exists for one reason:
 - `get_batch_samples`: a rolled-back jump's batches were never trained on; they are handed out again
   before fresh ones, so the run keeps the Trainer's data order (replay.py);
 - `training_step`: a Predict step must run no backward (only a no-grad forward to check the loss),
@@ -39,6 +40,7 @@ from .lr_autopilot import LrAutopilot, build_autopilot
 from .lr_scale import LrScale
 from .memory import EmergencyCheckpointCallback, VramMonitor
 from .predict_step import predict_training_step
+from .seam import StepLosses, mean_across_ranks
 from .step_veto import CountedStepSchedule, StepVeto
 from .trace import StepTrace
 
@@ -82,9 +84,8 @@ class HybridMixin:
         self._hybrid: HybridEngine | None = None
         self._hybrid_pending_state: dict | None = None
         self._hybrid_trace: StepTrace | None = None
-        self._hybrid_window_loss: torch.Tensor | None = None
-        self._hybrid_last_loss: torch.Tensor | None = None
-        self._hybrid_steps = StepVeto(self)
+        self.step_losses = StepLosses()
+        self.step_veto = StepVeto(self)
         self._guard_loop: GuardAtLoop | None = None
         self._lr_autopilot: LrAutopilot | None = None
         self._vram = VramMonitor() if self.hybrid_settings.hybrid else None
@@ -127,15 +128,15 @@ class HybridMixin:
         if first_micro_batch:
             engine.begin_step(self.state.global_step)
             if engine.starts_prediction:
-                engine.schedule_at_jump = self._hybrid_steps.schedule_state()
-            self._hybrid_window_loss = torch.zeros((), device=self.args.device)
+                engine.schedule_at_jump = self.step_veto.schedule_state()
+            self.step_losses.window = torch.zeros((), device=self.args.device)
         if engine.phase is not Phase.PREDICT:
             if self._guard_loop is not None:
                 self._guard_loop.add_micro_batch(inputs, num_items_in_batch, first_micro_batch)
             if self._lr_autopilot is not None:
                 self._lr_autopilot.take_probe(inputs)
             loss = super().training_step(model, inputs, num_items_in_batch)
-            self._hybrid_window_loss += loss.detach().float()
+            self.step_losses.window += loss.detach().float()
             return loss
         return predict_training_step(self, model, inputs, num_items_in_batch, first_micro_batch)
 
@@ -151,11 +152,11 @@ class HybridMixin:
         engine = self._hybrid
         if engine is None or engine.record is None:
             return grad_norm
-        loss, norm = self._hybrid_reduce(self._hybrid_window_loss, grad_norm)
+        loss, norm = self.reduce_across_ranks(self.step_losses.window, grad_norm)
         guard = self._guard_loop
         guard_vetoes = guard is not None and guard.vetoes(model, loss, norm)
-        if guard_vetoes or engine.check_real_step(loss, norm, self._hybrid_lr()):
-            self._hybrid_steps.veto_real_step()
+        if guard_vetoes or engine.check_real_step(loss, norm, self.current_learning_rate()):
+            self.step_veto.veto_real_step()
         else:
             cycle_started = engine.start_cycle(guard.make_room_for_anchor if guard is not None else None)
             if guard is not None:
@@ -169,13 +170,13 @@ class HybridMixin:
     def _hybrid_before_optimizer_step(self) -> None:
         record = self._hybrid.record if self._hybrid is not None else None
         if record is not None and record.phase.has_backward and self.accelerator.sync_gradients:
-            self._hybrid.before_optimizer_step(self._hybrid_lr())
+            self._hybrid.before_optimizer_step(self.current_learning_rate())
 
     def _hybrid_after_optimizer_step(self) -> None:
         record = self._hybrid.record if self._hybrid is not None else None
         stepped = self.accelerator.sync_gradients and not self.accelerator.optimizer_step_was_skipped
         if record is not None and record.phase.has_backward and not (record.skipped or record.rollback) and stepped:
-            self._hybrid.after_optimizer_step(self._hybrid_lr())
+            self._hybrid.after_optimizer_step(self.current_learning_rate())
 
     def _hybrid_end_step(self, control) -> None:
         engine = self._hybrid
@@ -183,9 +184,9 @@ class HybridMixin:
             return
         record = engine.record
         if record.rollback:
-            self._hybrid_steps.make_up(record.undone_steps, engine.schedule_at_jump)
+            self.step_veto.make_up(record.undone_steps, engine.schedule_at_jump)
         elif record.skipped:  # a vetoed real step (a NaN, the guard): it neither counts nor advances the schedule
-            self._hybrid_steps.make_up(1, self._hybrid_steps.skipped_schedule)
+            self.step_veto.make_up(1, self.step_veto.skipped_schedule)
         guard_action = self._guard_loop.end_step(control) if self._guard_loop is not None else None
         autopilot = self._lr_autopilot
         next_phase = engine.end_step(hold=autopilot is not None and autopilot.scale.steps_long_enough,
@@ -196,10 +197,8 @@ class HybridMixin:
         if self._hybrid_trace is not None:
             reading = (autopilot.last_line, autopilot.last_verdict) if autopilot is not None else (None, None)
             self._hybrid_trace.write_step(self.state.global_step, record, engine, guard_action, *reading,
-                                          self._hybrid_lr())
-        self._hybrid_steps.show_phase(next_phase.value)
-
-    # ---- helpers ----------------------------------------------------------------------------------
+                                          self.current_learning_rate())
+        self.step_veto.show_phase(next_phase.value)
 
     def _build_engine(self) -> HybridEngine:
         # Parameters of the prepared model: under FSDP2 these are the DTensors that hold the local shards.
@@ -211,18 +210,20 @@ class HybridMixin:
             engine.load_state_dict(self._hybrid_pending_state)
         return engine
 
-    def _hybrid_lr(self) -> float:
+    # ---- the seam the loop parts use (seam.HybridTrainer) ----------------------------------------------
+
+    @property
+    def hybrid_engine(self) -> HybridEngine:
+        return self._hybrid
+
+    def current_learning_rate(self) -> float:
         return float(self.lr_scheduler.get_last_lr()[0])
 
-    def _hybrid_reduce(self, *values) -> list[float]:
-        """Average scalars across ranks in one collective, so every rank decides on the same numbers."""
-        device = self.args.device
-        # Under FSDP2 the gradient norm comes back as a DTensor, which cannot be stacked with plain tensors.
-        values = [v.full_tensor() if hasattr(v, "full_tensor") else v for v in values]
-        stacked = torch.stack([torch.as_tensor(v, dtype=torch.float32).to(device).reshape(()) for v in values])
-        if self.accelerator.num_processes > 1:
-            stacked = self.accelerator.reduce(stacked, reduction="mean")
-        return stacked.tolist()
+    def reduce_across_ranks(self, *values) -> list[float]:
+        return mean_across_ranks(self.accelerator, self.args.device, values)
+
+    def prepare_inputs(self, inputs: dict) -> dict:
+        return self._prepare_inputs(inputs)
 
     def _hybrid_train_begin(self, train_dataloader) -> None:
         # The model and optimizer are prepared by now; each train() call builds the engine anew, before any file
@@ -233,9 +234,9 @@ class HybridMixin:
         self._guard_loop = GuardAtLoop(self, saved.get("guard")) if self.hybrid_settings.hybrid_guard else None
         self._lr_autopilot = build_autopilot(self, self._guard_loop, saved.get("lr_autopilot"))
         self._hybrid_pending_state = None
-        self._hybrid_steps.set_epochs_end(train_dataloader)
+        self.step_veto.set_epochs_end(train_dataloader)
         # A resumed run: the Trainer set max_steps from the arguments again.
-        self._hybrid_steps.extend_max_steps(self._hybrid.made_up_steps)
+        self.step_veto.extend_max_steps(self._hybrid.made_up_steps)
         if self.hybrid_settings.hybrid_trace and self.is_world_process_zero():
             self._hybrid_trace = StepTrace(self.args.output_dir, self.state.global_step)
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from .forward_checks import probe_loss_by_sequence
 from .predict_step import paired_noise
+from .seam import HybridTrainer
 from .snapshot import TrainingSnapshot
 
 
@@ -41,7 +42,7 @@ def _move_toward_undo_point(shards: list[torch.Tensor], undo_point: TrainingSnap
 
 
 @torch.no_grad()
-def raise_gain(trainer, model: torch.nn.Module, engine, probe: dict, undo_point: TrainingSnapshot,
+def raise_gain(trainer: HybridTrainer, model: torch.nn.Module, engine, probe: dict, undo_point: TrainingSnapshot,
                raise_: float) -> tuple[float, float]:
     """The probe's loss where the user's LR would have taken the weights, minus its loss at the raised weights
     (positive: the raise paid), and the standard error of that difference; both over every rank's probe."""
@@ -52,5 +53,5 @@ def raise_gain(trainer, model: torch.nn.Module, engine, probe: dict, undo_point:
     user, user_rows = probe_loss_by_sequence(trainer, model, probe)
     engine.snapshot.restore(shards)
     engine.snapshot.release()
-    gain = trainer._hybrid_reduce(user - raised)[0]
+    gain = trainer.reduce_across_ranks(user - raised)[0]
     return gain, paired_noise(trainer, user_rows, raised_rows)

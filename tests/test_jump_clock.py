@@ -20,7 +20,7 @@ def clocked(monkeypatch, steps: list[tuple], payoff_check: bool = True) -> JumpC
     `seconds_between` pass after the step ends, as an evaluation or a save does."""
     settings = SimpleNamespace(hybrid_payoff_check=payoff_check, hybrid_predict_step_cost=0.35)
     engine = SimpleNamespace(payoff=SimpleNamespace(clock=0.0), last_record=None, controller=None)
-    clock = JumpClock(SimpleNamespace(_hybrid=engine, hybrid_settings=settings))
+    clock = JumpClock(SimpleNamespace(hybrid_engine=engine, hybrid_settings=settings))
     now = [0.0]
     monkeypatch.setattr(time, "perf_counter", lambda: now[0])
     for phase, seconds, charge, steps_in_phase, between in steps:
