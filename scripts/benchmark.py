@@ -76,8 +76,9 @@ def main() -> None:
                         help="the sf-swept arm's learning rate (default: the preset's sf_learning_rate, from "
                              "schedule-free AdamW's own sweep, else its swept learning rate)")
     parser.add_argument("--learning_rates", default="", help="sweep mode: comma-separated learning rates")
-    parser.add_argument("--sweep_arm", choices=["baseline", "sf"], default="baseline",
-                        help="sweep mode: the arm swept: the Trainer, or schedule-free AdamW (for --sf_learning_rate)")
+    parser.add_argument("--sweep_arm", choices=["baseline", "sf", "hybrid"], default="baseline",
+                        help="sweep mode: the arm swept: the Trainer, schedule-free AdamW (for --sf_learning_rate), "
+                             "or the hybrid (with --set; the autopilot against the Trainer at each LR)")
     parser.add_argument("--faults", default="window,spike,nan",
                         help="faults mode: which faults to inject, from window, spike, nan")
     parser.add_argument("--repeats", type=int, default=2, help="baseline/hybrid pairs, run alternately")
@@ -117,7 +118,7 @@ def main() -> None:
         overrides.update(hybrid_confidence_threshold=0.0, hybrid_payoff_check=False, hybrid_lr_autopilot=False)
     root = Path(args.output_dir) / f"{args.preset}-{args.mode}"
     if args.mode == "sweep":
-        return sweep(args, root)
+        return sweep(args, root, overrides)
     settings = {**PRESETS[args.preset], **{k: v for k, v in (("max_steps", args.max_steps),
                                                               ("grad_accum", args.grad_accum)) if v}}
     swept_lr = args.swept_learning_rate or PRESETS[args.preset]["learning_rate"]
@@ -178,14 +179,16 @@ def main() -> None:
     plot(root, baselines[0], hybrids[0], target)
 
 
-def sweep(args, root: Path) -> None:
-    """One arm alone at each learning rate: the baseline's tuning, recorded before any A/B, or schedule-free AdamW's."""
+def sweep(args, root: Path, overrides: dict) -> None:
+    """One arm alone at each learning rate: the baseline's tuning, recorded before any A/B, schedule-free AdamW's, or
+    the hybrid's final loss at each (is it ever worse than the Trainer at the same LR?)."""
     rows = []
     for lr in (float(x) for x in args.learning_rates.split(",")):
-        arm = launch(args.sweep_arm, args, root / f"{args.sweep_arm}-lr-{lr:g}", target=None, overrides={},
-                     learning_rate=lr)
+        arm = launch(args.sweep_arm, args, root / f"{args.sweep_arm}-lr-{lr:g}", target=None,
+                     overrides=overrides if args.sweep_arm == "hybrid" else {}, learning_rate=lr)
         rows.append({"learning_rate": lr, "final_eval_loss": arm.evals[-1][2], "best_eval_loss": min(
-            e[2] for e in arm.evals), "train_seconds": arm.train_seconds, "evals": arm.evals})
+            e[2] for e in arm.evals), "train_seconds": arm.train_seconds, "evals": arm.evals,
+                     "hybrid_stats": arm.hybrid_stats})
     best = min(rows, key=lambda row: row["final_eval_loss"])
     out = root / f"sweep-{args.sweep_arm}.json"
     out.write_text(json.dumps({"preset": args.preset, "seed": args.seed, "arm": args.sweep_arm, "runs": rows,

@@ -4,9 +4,12 @@ arm at the LR a user types beside the Trainer at the swept LR, and G, the share 
     python scripts/survey.py list
     python scripts/survey.py sweep scratch-2x128-docs-constant            # the Trainer over the setting's grid
     python scripts/survey.py run scratch-2x128-docs-constant --seed 1     # the arms at the user's LR
+    python scripts/survey.py check scratch-2x128-docs-constant            # the hybrid from the user's LR to the swept
     python scripts/survey.py table --half tune                             # G per setting and arm
 
-Reports are kept in docs/survey/ (`--reports`): NAME-sweep-seed0.json and NAME-user-seedS.json. The tuning half is
+Reports are kept in docs/survey/ (`--reports`): NAME-sweep-seed0.json, NAME-user-seedS.json and
+NAME-hybrid-seed0.json (`check`: the hybrid alone at each grid LR from the user's to the swept, against the sweep's
+Trainer at the same LR: never worse is the goal). The tuning half is
 read while choosing gates, caps and cadences; the report half only once they are fixed.
 """
 
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import statistics
 import subprocess
@@ -21,6 +25,7 @@ import sys
 from pathlib import Path
 
 from presets import PRESETS
+from report import UPDATES, time_to
 
 HERE = Path(__file__).resolve().parent
 ARMS = "hybrid,prodigy,mechanic,sf,swept"
@@ -56,6 +61,42 @@ def run(name: str, args) -> None:
               "--swept_learning_rate", f"{swept:g}", "--sf_learning_rate", f"{swept:g}", "--arms", ARMS,
               *_steps(args), "--output_dir", str(out))
     shutil.copy(out / f"survey-{name}-speed" / "report.json", Path(args.reports) / f"{name}-user-seed{args.seed}.json")
+
+
+def check(name: str, args) -> None:
+    """The hybrid alone at every grid LR from the user's to the swept one, each final loss against the Trainer's."""
+    reports = Path(args.reports)
+    user, swept = user_and_swept_lr(name, reports)
+    grid = [lr for lr in settings()[name]["grid"] if user * 0.99 <= lr <= swept * 1.01]
+    out = Path(args.work) / name
+    benchmark("--preset", f"survey-{name}", "--mode", "sweep", "--sweep_arm", "hybrid", "--seed", "0",
+              "--learning_rates", args.learning_rates or ",".join(f"{lr:g}" for lr in grid), *_steps(args),
+              *(["--set", *args.set] if args.set else []), "--output_dir", str(out))
+    shutil.copy(out / f"survey-{name}-sweep" / "sweep-hybrid.json", reports / f"{name}-hybrid-seed0.json")
+    print_check(name, reports)
+
+
+def print_check(name: str, reports: Path) -> list[dict]:
+    """Per LR: the Trainer's final loss (the sweep), the hybrid's, the difference and the scale the hybrid ended on;
+    and G in updates where the Trainer ran at that LR and at the swept one, from the same evaluations."""
+    sweep_runs = json.loads((reports / f"{name}-sweep-seed0.json").read_text())
+    trainer = {r["learning_rate"]: r for r in sweep_runs["runs"]}
+    swept = trainer[sweep_runs["best_learning_rate"]]
+    rows = []
+    for run in json.loads((reports / f"{name}-hybrid-seed0.json").read_text())["runs"]:
+        lr, final, plain = run["learning_rate"], run["final_eval_loss"], trainer.get(run["learning_rate"])
+        row = {"learning_rate": lr, "trainer": plain and plain["final_eval_loss"], "hybrid": final,
+               "difference": final - plain["final_eval_loss"] if plain else None,
+               "lr_scale": (run.get("hybrid_stats") or {}).get("lr_scale"), "g_updates": None}
+        if plain and swept is not plain:
+            target = plain["final_eval_loss"]
+            base, arm, best = (time_to(r["evals"], target, UPDATES) for r in (plain, run, swept))
+            if arm and best and base / best > 1:
+                row["g_updates"] = math.log(base / arm) / math.log(base / best)
+        rows.append(row)
+        print(f"  {name} lr {lr:<8g} Trainer {_g(row['trainer'], 4)}  hybrid {final:.4f}  "
+              f"difference {_g(row['difference'], 4, '+')}  scale {row['lr_scale']}  G {_g(row['g_updates'])}")
+    return rows
 
 
 def _steps(args) -> list[str]:
@@ -98,13 +139,13 @@ def table(args) -> None:
         Path(args.json).write_text(json.dumps(found, indent=2))
 
 
-def _g(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
+def _g(value: float | None, digits: int = 2, sign: str = "") -> str:
+    return "-" if value is None else f"{value:{sign}.{digits}f}"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["list", "sweep", "run", "table"])
+    parser.add_argument("command", choices=["list", "sweep", "run", "check", "table"])
     parser.add_argument("setting", nargs="?")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--half", choices=["tune", "report", "all"], default="tune")
@@ -113,6 +154,7 @@ def main() -> None:
     parser.add_argument("--reports", default=str(HERE.parent / "docs" / "survey"))
     parser.add_argument("--work", default="runs/survey")
     parser.add_argument("--json", help="table: also write the rows here")
+    parser.add_argument("--set", nargs="*", default=[], metavar="FLAG=VALUE", help="check: hybrid flag overrides")
     args = parser.parse_args()
     Path(args.reports).mkdir(parents=True, exist_ok=True)
     if args.command == "list":
@@ -123,7 +165,7 @@ def main() -> None:
     elif args.setting not in settings():
         sys.exit(f"survey: unknown setting {args.setting!r}; `survey.py list` names them")
     else:
-        (sweep if args.command == "sweep" else run)(args.setting, args)
+        {"sweep": sweep, "run": run, "check": check}[args.command](args.setting, args)
 
 
 if __name__ == "__main__":

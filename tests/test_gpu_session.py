@@ -37,8 +37,9 @@ def test_the_gpu_suite_runs_every_part_on_the_smoke_presets(tmp_path):
     assert scratch["baseline"]["learning_rate"] == scratch["hybrid"]["learning_rate"] == pytest.approx(3e-4)
     assert scratch["swept"]["learning_rate"] == 3e-3
     assert scratch["prodigy"]["learning_rate"] == scratch["mechanic"]["learning_rate"] == 1.0
-    # G is 1 for the reference by definition, and the peers moved their weights their own way.
-    assert scratch["swept"]["g_updates"] == scratch["swept"]["g_wall"] == 1.0
+    # G is 1 for the reference by definition (in updates; in wall clock only where it was also faster, which the
+    # CPU's timing does not promise at these shapes), and the peers moved their weights their own way.
+    assert scratch["swept"]["g_updates"] == 1.0
     finals = {arm: row["final_eval_loss"] for arm, row in scratch.items()}
     assert len(set(finals.values())) == len(finals), finals
 

@@ -1,5 +1,6 @@
 """The LR autopilot's survey runner end to end on one setting at a few steps: the split is fixed, the sweep picks the
-swept LR, the arms run at a tenth of it from scratch, and the table reads G from the reports."""
+swept LR, the arms run at a tenth of it from scratch, the never-worse check compares the hybrid with the Trainer at
+the same LR, and the table reads G from the reports."""
 
 from __future__ import annotations
 
@@ -42,6 +43,12 @@ def test_a_setting_is_swept_then_run_at_a_tenth_of_its_swept_lr(tmp_path):
     report = json.loads((tmp_path / "reports" / f"{name}-user-seed0.json").read_text())
     assert report["learning_rate"] == pytest.approx(swept / 10) and report["swept_learning_rate"] == swept
     assert {"hybrid", "prodigy", "mechanic", "sf"} <= set(report["sweep_fraction"])
+    # The never-worse check: the hybrid alone at an LR the sweep ran; in 8 steps it raises nothing and jumps nowhere,
+    # so it must end exactly where the Trainer did.
+    checked = survey("check", name, "--learning_rates", f"{swept:g}", *where)
+    hybrid = json.loads((tmp_path / "reports" / f"{name}-hybrid-seed0.json").read_text())
+    assert [r["learning_rate"] for r in hybrid["runs"]] == [swept] and hybrid["arm"] == "hybrid"
+    assert hybrid["runs"][0]["hybrid_stats"]["lr_scale"] == 1.0 and "difference +0.0000" in checked
     out = survey("table", "--half", "all", "--json", str(tmp_path / "table.json"), *where[:4])
     rows = json.loads((tmp_path / "table.json").read_text())
     assert [row["setting"] for row in rows] == [name] and name in out
