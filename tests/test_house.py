@@ -1,6 +1,5 @@
-"""The house rules that a grep can check. The library's comments say why in the present: run and session numbers and dates
-belong to docs/benchmarks.md and
-the git log, where they stay true."""
+"""The house rules a grep can check. The library's comments say why in the present: run and session numbers and
+dates belong to docs/benchmarks.md and the git log, where they stay true."""
 
 from __future__ import annotations
 
