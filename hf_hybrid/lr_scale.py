@@ -11,17 +11,22 @@ step (step_line.py): the weights W, W + c*step and W + 2c*step. Call their losse
   warmup or decay is the user's shape, not a sign about the peak). It scales as 1 / LR. Measured on cpu-finetune in a
   plain AdamW loop past step 100: 0-0.5 at the swept LR, 0.2-4 at a fifth of it, 10-270 at a twentieth; early in a
   run it is larger.
-  A reach of RAISE_REACH or more says the steps are too short. So does a steady one: one reading on one batch is
+  A reach of RAISE_REACH or more at two readings in a row says the steps are too short; one long reading just after
+  the first descent does not (from scratch at a third of the swept LR the line read 10.8 steps at the first reading a
+  raise may start at, then 2.2; at two thirds, 4.1, then 0). So does a steady one: one reading on one batch is
   noisy (at a fifth of the swept LR in LoRA it read 0-8.7 steps over steps 25-90, and at the swept LR 0-1.9, mostly 0),
   but the median of the last STEADY_READINGS readings taken where a raise may start separates them: 1.4-2.5 at a fifth
   by steps 40-65 in every seed, at most 0.81 at the swept LR and at 3x it in every regime measured.
 
-A raise is a trial. The scale is multiplied by what would put the line's bottom at TARGET_REACH steps (a steady
-reach: its median at STEADY_TARGET), at most MAX_RAISE at a time and MAX_SCALE in all, and the trainer takes an undo
-point. The next reading judges it: the raise is undone when the raised steps did worse, on the probe, than the point
-the old scale would have reached over the same batches (trial_verdict.py), and then everything goes back bit for bit
-(weights, optimizer state, schedule back to the undo point, the scale back to what it was), and the next raise waits
-2, 4, ... readings; otherwise it is kept.
+A raise is a trial. The scale is multiplied by what would put the line's bottom at TARGET_REACH steps (the shorter of
+the two readings; a steady reach: its median at STEADY_TARGET), at most MAX_RAISE at a time and MAX_SCALE in all, and
+the trainer takes an undo point. A raise at most doubles the scale because a reach overstates how far the best LR
+is, and past it the final loss rises steeply (from scratch: 4.807 at the swept LR, 5.139 at 1.33x it); the next raise
+needs the line to read long again at the new scale (the reading that asked for a raise counts there at its reach
+divided by the raise). The next reading judges the trial: the raise is undone when the raised steps did worse, on the
+probe, than the point the old scale would have reached over the same batches (trial_verdict.py), and then everything
+goes back bit for bit (weights, optimizer state, schedule back to the undo point, the scale back to what it was), and
+the next raise waits 2, 4, ... readings; otherwise it is kept.
 Any step the guard flags starts the steady window again, and no raise starts before the STEADY_READINGS-th reading
 after it: readings on either side of bad data are not one steady run. In a faulted run at the swept LR, a median of
 1.55 over readings that straddled a rollback and a NaN step raised the LR 3.1x, and the verdict kept it at a gain of
@@ -55,9 +60,9 @@ def reach_of_line(f0: float, f1: float, f2: float) -> float:
 
 
 MAX_SCALE = 10.0
-MAX_RAISE = 4.0
-RAISE_REACH = 4.0  # a next step worth this many of today's (at the schedule's peak) asks for a raise
-TARGET_REACH = 2.0  # and the raise aims the line's bottom here: a reach of 9 raises 4.5x, capped at MAX_RAISE
+MAX_RAISE = 2.0
+RAISE_REACH = 4.0  # a next step worth this many of today's (at the schedule's peak), twice in a row, asks for a raise
+TARGET_REACH = 2.0  # and the raise aims the line's bottom here: reaches of 9 and 5 raise 2.5x, capped at MAX_RAISE
 STEADY_READINGS = 3
 STEADY_REACH = 1.0  # the median of that many readings in a row asks for a raise from here
 STEADY_TARGET = 0.5  # and the raise aims it here, inside the 0-0.81 that tuned runs read
@@ -77,6 +82,7 @@ class LrScale:
     readings: int = 0  # each ran three probe forwards: 1.2-2.7 training steps on a CPU (lr_autopilot.READ_EVERY)
     last_reach: float | None = None  # the last reading's, at the schedule's peak
     recent: tuple[float, ...] = ()  # the last readings' reaches where a raise may start, at today's scale
+    previous: float | None = None  # the last reading's reach where a raise may start, in today's steps
 
     def reading(self, f0: float, f1: float, f2: float, spacing: float, steps: int, schedule_factor: float,
                 frozen: bool, trial_paid: bool = False) -> str | None:
@@ -100,17 +106,21 @@ class LrScale:
             else:
                 self.scale, self.trial_from, self.last_loss = self.trial_from, None, self.trial_loss
                 self.failures, self.trials_undone = self.failures + 1, self.trials_undone + 1
-                self.wait = 2**self.failures
+                self.wait, self.previous = 2**self.failures, None
                 return "undo"
-        if not frozen:
-            self.recent = (*self.recent, reach)[-STEADY_READINGS:]
+        previous, self.previous = self.previous, None if frozen else reach
+        if frozen:
+            return verdict
+        self.recent = (*self.recent, reach)[-STEADY_READINGS:]
+        twice = min(reach, previous) if previous is not None else 0.0
         steady = statistics.median(self.recent) if len(self.recent) == STEADY_READINGS else 0.0
-        wanted = max(reach / TARGET_REACH if reach >= RAISE_REACH else 0.0,
+        wanted = max(twice / TARGET_REACH if twice >= RAISE_REACH else 0.0,
                      steady / STEADY_TARGET if steady >= STEADY_REACH else 0.0)
         factor = min(wanted, MAX_RAISE, MAX_SCALE / self.scale)
-        if rate is not None and rate > 0 and not frozen and not self.wait and factor > 1.0:
+        if rate is not None and rate > 0 and not self.wait and factor > 1.0:
             self.trial_from, self.trial_loss, self.recent = self.scale, f0, ()
             self.scale *= factor
+            self.previous = reach / factor
             return "raise"
         return verdict
 
@@ -130,7 +140,7 @@ class LrScale:
         """The guard skipped a step, or rolled the weights back (`weights_damaged`). The steady window starts again,
         and no raise starts before the STEADY_READINGS-th reading from here. After a rollback an open trial is over
         (the rollback undid its steps), and a scale above the user's comes down."""
-        self.recent, self.wait = (), max(self.wait, STEADY_READINGS)
+        self.recent, self.previous, self.wait = (), None, max(self.wait, STEADY_READINGS)
         if not weights_damaged:
             return
         self.last_loss = None  # the weights moved back: the next reading has no progress to compare
