@@ -1,0 +1,198 @@
+"""README.md's results table, rendered from the LR-autopilot survey's reports in docs/survey/ (scripts/survey.py), so
+that no number in it is typed by hand.
+
+    python scripts/render_readme.py            # print the table
+    python scripts/render_readme.py --check    # exit 1 when README.md's table is not what this renders
+    python scripts/render_readme.py --write    # rewrite README.md's table
+
+One row per setting that has a report at the LR a user types (NAME-user-seedS.json): the report half first, then the
+tuning half, each in survey_settings.py's order, at most MAX_ROWS. A setting with no such report is left out.
+
+A report is current when its environment's behaviour_version is hf_hybrid.BEHAVIOUR_VERSION (the library raises it
+with every change that moves a run). A row's numbers come from current reports only, as the median over their seeds;
+a setting whose user reports are all older renders as a row that says it is not measured at the current version. The
+never-worse cell needs both the hybrid's check (NAME-hybrid-seed0.json) and the Trainer's sweep (NAME-sweep-seed0.json)
+current, and says the same otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(REPO))
+
+from survey_settings import survey_settings  # noqa: E402
+
+from hf_hybrid import BEHAVIOUR_VERSION  # noqa: E402
+
+README = REPO / "README.md"
+SURVEY = REPO / "docs" / "survey"
+START, END = "<!-- results:start -->", "<!-- results:end -->"
+MAX_ROWS = 8
+NOT_MEASURED = "not measured at the current version"
+PEERS = {"prodigy": "Prodigy", "mechanic": "Mechanic", "sf": "schedule-free AdamW"}
+HEADER = ("| setting (half): the user's LR (the swept) | Trainer at the user's LR; at the swept LR | hybrid "
+          "| best peer | never worse: hybrid - Trainer at the worst LR |")
+
+CAPTION = ("Rendered by `scripts/render_readme.py` from the LR-autopilot survey's reports (`docs/survey/`, "
+           "`scripts/survey.py`), on a CPU, each setting at the LR a user types: `TrainingArguments`' 5e-5 to "
+           "fine-tune, a tenth of the swept LR from scratch. (report) rows come from the half left unread while the "
+           "autopilot was tuned, (tune) rows from the half it was tuned on. An arm's cell: the Trainer's updates to "
+           "its own final loss over the arm's (for the hybrid, wall clock in brackets), then the arm's final held-out "
+           "loss. Peers: Prodigy, Mechanic, schedule-free AdamW. Never worse: the hybrid alone at each swept grid LR "
+           "from the user's to 3x the swept. Medians over seeds where several ran.")
+
+
+@dataclass
+class Row:
+    cells: list[str]
+    sources: list[Path] = field(default_factory=list)  # the reports its numbers come from
+
+
+def current(report: dict) -> bool:
+    return (report.get("environment") or {}).get("behaviour_version") == BEHAVIOUR_VERSION
+
+
+def _load(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _median_speedup(values: list[float | None]) -> float | None:
+    """The median over seeds, a seed that never reached the loss counting lowest; median_low keeps it a seed's own
+    value, so that an even count never averages a speedup with 'not reached'."""
+    ranked = statistics.median_low([-1.0 if v is None else v for v in values])
+    return None if ranked < 0 else ranked
+
+
+def _lr(value: float) -> str:
+    mantissa, exponent = f"{value:.1e}".split("e")
+    return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
+
+
+def _arm(updates: float | None, loss: float, wall: float | None = None) -> str:
+    """An arm's cell: its speedup to the Trainer's final loss in updates (with the wall clock's, where given), then its
+    own final loss."""
+    if updates is None:
+        return f"not reached, {loss:.3f}"
+    return f"{updates:.2f}x{f' ({wall:.2f}x)' if wall else ''}, {loss:.3f}"
+
+
+def _user_cells(reports: list[dict]) -> list[str]:
+    """The Trainer's, the hybrid's and the best peer's cells, from current reports at the user's LR."""
+    def final(arm: str) -> float:
+        return statistics.median(r[arm][0]["final_eval_loss"] for r in reports)
+
+    def updates(prefix: str) -> float | None:
+        return _median_speedup([r[f"{prefix}update_speedups"][0] for r in reports])
+
+    trainer = f"{final('baseline'):.3f}; swept: {_arm(updates('swept_'), final('swept'))}"
+    wall = _median_speedup([r["speedups"][0] for r in reports])
+    hybrid = f"**{_arm(updates(''), final('hybrid'), wall)}**"
+    peers = [(updates(f"{arm}_"), final(arm), arm) for arm in PEERS if all(arm in r for r in reports)]
+    # The best peer reaches the Trainer's loss in the fewest updates; where none does, the one with the lowest loss.
+    reached = [p for p in peers if p[0] is not None]
+    if peers:
+        speedup, loss, arm = max(reached, key=lambda p: p[0]) if reached else min(peers, key=lambda p: p[1])
+        peer = f"{PEERS[arm]}: {_arm(speedup, loss)}"
+    else:
+        peer = "-"
+    return [trainer, hybrid, peer]
+
+
+def _never_worse(name: str, reports: Path) -> tuple[str, list[Path]]:
+    """The hybrid alone at each LR from the user's to about 3x the swept one, its final loss minus the Trainer's at
+    the same LR: the worst of them, and the LR where it came."""
+    paths = [reports / f"{name}-hybrid-seed0.json", reports / f"{name}-sweep-seed0.json"]
+    hybrid, sweep = (_load(path) for path in paths)
+    if not (hybrid and sweep and current(hybrid) and current(sweep)):
+        return NOT_MEASURED, []
+    trainer = {run["learning_rate"]: run["final_eval_loss"] for run in sweep["runs"]}
+    differences = [(run["final_eval_loss"] - trainer[run["learning_rate"]], run["learning_rate"])
+                   for run in hybrid["runs"] if run["learning_rate"] in trainer]
+    if not differences:
+        return NOT_MEASURED, []
+    worst, lr = max(differences)
+    return f"{worst:+.3f} at {_lr(lr)} (of {len(differences)} LRs)", paths
+
+
+def rows(reports: Path = SURVEY) -> list[Row]:
+    """The table's rows, in order, each with the reports its numbers come from."""
+    settings = survey_settings({})
+    ordered = [n for half in ("report", "tune") for n, s in settings.items() if s["half"] == half]
+    out = []
+    for name in ordered:
+        paths = sorted(reports.glob(f"{name}-user-seed*.json"))
+        if not paths:
+            continue
+        used = [(path, report) for path in paths if current(report := json.loads(path.read_text()))]
+        setting = f"`{name}` ({settings[name]['half']})"
+        if not used:
+            out.append(Row([setting, NOT_MEASURED, "-", "-", "-"]))
+        else:
+            first = used[0][1]
+            seeds = f", {len(used)} seeds" if len(used) > 1 else ""
+            setting += f": {_lr(first['learning_rate'])} ({_lr(first['swept_learning_rate'])}){seeds}"
+            check, check_sources = _never_worse(name, reports)
+            out.append(Row([setting, *_user_cells([r for _, r in used]), check],
+                           [p for p, _ in used] + check_sources))
+        if len(out) == MAX_ROWS:
+            break
+    return out
+
+
+def render(reports: Path = SURVEY) -> str:
+    """The block between README.md's markers: the table and its caption."""
+    lines = [HEADER, "|" + "---|" * HEADER.count(" | ") + "---|"]
+    lines += ["| " + " | ".join(row.cells) + " |" for row in rows(reports)]
+    lines += ["", CAPTION]
+    return "\n".join(lines)
+
+
+def _split(text: str) -> tuple[str, str, str]:
+    """README.md's text before the start marker, the block between the markers, and the text after the end one."""
+    if text.count(START) != 1 or text.count(END) != 1:
+        raise ValueError(f"README.md needs one {START} and one {END}")
+    head, rest = text.split(START, 1)
+    block, tail = rest.split(END, 1)
+    return head, block.strip("\n"), tail
+
+
+def readme_table(readme: Path = README) -> str:
+    return _split(readme.read_text())[1]
+
+
+def matches(readme: Path = README, reports: Path = SURVEY) -> bool:
+    """Whether README.md's table is what the reports render now."""
+    return readme_table(readme) == render(reports)
+
+
+def write(readme: Path = README, reports: Path = SURVEY) -> None:
+    head, _, tail = _split(readme.read_text())
+    readme.write_text(f"{head}{START}\n{render(reports)}\n{END}{tail}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="exit 1 when README.md's table is stale")
+    parser.add_argument("--write", action="store_true", help="rewrite README.md's table")
+    args = parser.parse_args()
+    if args.write:
+        write()
+    elif args.check:
+        if not matches():
+            sys.exit("README.md's results table is not what the reports render: "
+                     "python scripts/render_readme.py --write")
+    else:
+        print(render())
+
+
+if __name__ == "__main__":
+    main()
