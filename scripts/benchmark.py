@@ -192,7 +192,7 @@ def sweep(args, root: Path, overrides: dict) -> None:
     best = min(rows, key=lambda row: row["final_eval_loss"])
     out = root / f"sweep-{args.sweep_arm}.json"
     out.write_text(json.dumps({"preset": args.preset, "seed": args.seed, "arm": args.sweep_arm, "runs": rows,
-                               "best_learning_rate": best["learning_rate"]}, indent=2))
+                               "best_learning_rate": best["learning_rate"], "environment": environment()}, indent=2))
     print(f"\n{args.preset} learning-rate sweep of the {args.sweep_arm} arm, seed {args.seed} (final eval loss):")
     for row in rows:
         print(f"  lr {row['learning_rate']:<8g} {row['final_eval_loss']:.4f}{'  <- best' if row is best else ''}")

@@ -11,8 +11,8 @@ tuning half, each in survey_settings.py's order, at most MAX_ROWS. A setting wit
 A report is current when its environment's behaviour_version is hf_hybrid.BEHAVIOUR_VERSION (the library raises it
 with every change that moves a run). A row's numbers come from current reports only, as the median over their seeds;
 a setting whose user reports are all older renders as a row that says it is not measured at the current version. The
-never-worse cell needs both the hybrid's check (NAME-hybrid-seed0.json) and the Trainer's sweep (NAME-sweep-seed0.json)
-current, and says the same otherwise.
+never-worse cell needs the hybrid's check (NAME-hybrid-seed0.json) current beside the Trainer's sweep
+(NAME-sweep-seed0.json, the plain Trainer alone, which no library change moves), and says the same otherwise.
 """
 
 from __future__ import annotations
@@ -112,7 +112,8 @@ def _never_worse(name: str, reports: Path) -> tuple[str, list[Path]]:
     the same LR: the worst of them, and the LR where it came."""
     paths = [reports / f"{name}-hybrid-seed0.json", reports / f"{name}-sweep-seed0.json"]
     hybrid, sweep = (_load(path) for path in paths)
-    if not (hybrid and sweep and current(hybrid) and current(sweep)):
+    # The sweep runs the plain Trainer alone: no change to the library moves it, so any sweep report counts.
+    if not (hybrid and sweep and current(hybrid)):
         return NOT_MEASURED, []
     trainer = {run["learning_rate"]: run["final_eval_loss"] for run in sweep["runs"]}
     differences = [(run["final_eval_loss"] - trainer[run["learning_rate"]], run["learning_rate"])
