@@ -45,8 +45,10 @@ def test_every_number_in_the_table_comes_from_a_current_report():
     for row in rows:
         assert all(len(cell) <= 100 for cell in row.cells), row.cells
         for path in row.sources:
-            environment = json.loads(path.read_text()).get("environment") or {}
-            assert environment.get("behaviour_version") == BEHAVIOUR_VERSION, path
+            report = json.loads(path.read_text())
+            if report.get("arm") == "baseline":  # a sweep of the plain Trainer alone: no library change moves it
+                continue
+            assert (report.get("environment") or {}).get("behaviour_version") == BEHAVIOUR_VERSION, path
         if not row.sources:  # nothing current behind it: the row says so, with no number
             assert render_readme.NOT_MEASURED in row.cells and not re.search(r"[0-9]", " ".join(row.cells[1:]))
 
