@@ -61,6 +61,12 @@ def current(report: dict) -> bool:
     return (report.get("environment") or {}).get("behaviour_version") == BEHAVIOUR_VERSION
 
 
+def counts(report: dict) -> bool:
+    """Whether a report's numbers may reach the table: a current one, or a sweep of the plain Trainer alone, which no
+    change to the library moves."""
+    return current(report) or report.get("arm") == "baseline"
+
+
 def _load(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
@@ -112,8 +118,7 @@ def _never_worse(name: str, reports: Path) -> tuple[str, list[Path]]:
     the same LR: the worst of them, and the LR where it came."""
     paths = [reports / f"{name}-hybrid-seed0.json", reports / f"{name}-sweep-seed0.json"]
     hybrid, sweep = (_load(path) for path in paths)
-    # The sweep runs the plain Trainer alone: no change to the library moves it, so any sweep report counts.
-    if not (hybrid and sweep and current(hybrid)):
+    if not (hybrid and sweep and counts(hybrid) and counts(sweep)):
         return NOT_MEASURED, []
     trainer = {run["learning_rate"]: run["final_eval_loss"] for run in sweep["runs"]}
     differences = [(run["final_eval_loss"] - trainer[run["learning_rate"]], run["learning_rate"])
@@ -133,7 +138,7 @@ def rows(reports: Path = SURVEY) -> list[Row]:
         paths = sorted(reports.glob(f"{name}-user-seed*.json"))
         if not paths:
             continue
-        used = [(path, report) for path in paths if current(report := json.loads(path.read_text()))]
+        used = [(path, report) for path in paths if counts(report := json.loads(path.read_text()))]
         setting = f"`{name}` ({settings[name]['half']})"
         if not used:
             out.append(Row([setting, NOT_MEASURED, "-", "-", "-"]))

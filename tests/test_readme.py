@@ -46,9 +46,8 @@ def test_every_number_in_the_table_comes_from_a_current_report():
         assert all(len(cell) <= 100 for cell in row.cells), row.cells
         for path in row.sources:
             report = json.loads(path.read_text())
-            if report.get("arm") == "baseline":  # a sweep of the plain Trainer alone: no library change moves it
-                continue
-            assert (report.get("environment") or {}).get("behaviour_version") == BEHAVIOUR_VERSION, path
+            plain_trainer_sweep = report.get("arm") == "baseline"  # no library change moves it
+            assert plain_trainer_sweep or report["environment"]["behaviour_version"] == BEHAVIOUR_VERSION, path
         if not row.sources:  # nothing current behind it: the row says so, with no number
             assert render_readme.NOT_MEASURED in row.cells and not re.search(r"[0-9]", " ".join(row.cells[1:]))
 
@@ -90,3 +89,21 @@ def test_a_current_report_renders_its_numbers_with_the_best_peer(tmp_path):
     assert row.sources == [tmp_path / "lora8-docs-linear-user-seed0.json"]  # the older seed is left out
     assert row.cells == ["`lora8-docs-linear` (report): 3e-4 (3e-3)", "5.500; swept: 2.70x, 4.700",
                          "**2.10x (2.20x), 4.800**", "Prodigy: 1.40x, 5.200", render_readme.NOT_MEASURED]
+
+
+def test_the_never_worse_cell_needs_a_current_check_beside_any_plain_trainer_sweep(tmp_path):
+    name = "lora8-docs-linear"
+    (tmp_path / f"{name}-user-seed0.json").write_text(json.dumps(_report(BEHAVIOUR_VERSION)))
+    sweep = {"arm": "baseline", "runs": [{"learning_rate": lr, "final_eval_loss": loss}
+                                         for lr, loss in ((3e-4, 5.5), (3e-3, 4.7))]}  # no environment: older
+    (tmp_path / f"{name}-sweep-seed0.json").write_text(json.dumps(sweep))
+    check = {"arm": "hybrid", "runs": [{"learning_rate": 3e-4, "final_eval_loss": 4.8},
+                                       {"learning_rate": 3e-3, "final_eval_loss": 4.75}],
+             "environment": {"behaviour_version": BEHAVIOUR_VERSION}}
+    (tmp_path / f"{name}-hybrid-seed0.json").write_text(json.dumps(check))
+    [row] = render_readme.rows(tmp_path)
+    assert row.cells[-1] == "+0.050 at 3e-3 (of 2 LRs)"
+    check["environment"]["behaviour_version"] = BEHAVIOUR_VERSION - 1
+    (tmp_path / f"{name}-hybrid-seed0.json").write_text(json.dumps(check))
+    [row] = render_readme.rows(tmp_path)
+    assert row.cells[-1] == render_readme.NOT_MEASURED
