@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .controller import Phase, PhaseController
+from .jumps.controller import Phase, PhaseController
 
 if TYPE_CHECKING:
     from .config import HybridTrainingArguments
@@ -38,7 +38,7 @@ _LAZY = {
 
 
 def __getattr__(name: str):
-    # transformers takes seconds to import; `hf_hybrid.plotting` and `hf_hybrid.controller` don't need it.
+    # transformers takes seconds to import; `hf_hybrid.jumps.controller` does not need it.
     if name in _LAZY:
         from importlib import import_module
 

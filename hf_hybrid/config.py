@@ -12,7 +12,7 @@ from typing import Literal
 
 from transformers import TrainingArguments
 
-from .predictors import PREDICTORS
+from .jumps.predictors import PREDICTORS
 
 PredictorName = Literal["velocity", "adam", "outer"]
 
@@ -246,16 +246,6 @@ def ignored_flags(settings) -> list[str]:
     active = PREDICTORS[settings.hybrid_predictor].flags
     others = {flag for cls in PREDICTORS.values() for flag in cls.flags} - set(active)
     return [f.name for f in HYBRID_FIELDS if f.name in others and getattr(settings, f.name) != f.default]
-
-
-def lr_autopilot_missing(settings) -> list[str] | None:
-    """What the learning-rate autopilot asked for by the flags lacks to run: None when it is not asked for, else the
-    list (empty: it runs)."""
-    if not (settings.hybrid and settings.hybrid_lr_autopilot):
-        return None
-    snapshots = settings.hybrid_guard and settings.hybrid_guard_snapshot_steps > 0
-    return [] if snapshots else ["the guard's snapshots (the undo point): --hybrid_guard and "
-                                 "--hybrid_guard_snapshot_steps > 0"]
 
 
 def hybrid_settings(args: TrainingArguments) -> HybridTrainingArguments | SimpleNamespace:

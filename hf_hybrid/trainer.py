@@ -1,12 +1,10 @@
 """`HybridHFTrainer`: the Hugging Face `Trainer` with hybrid predictive training.
 
-Thin glue: the Trainer subclass holds its overrides, and what they call lives in rooms named for their job:
-engine.py (the step's phases and the jump), step_veto.py (vetoed and undone steps), guard_loop.py (the guard at the
-loop), checkpoint.py (the hybrid state in checkpoints), trace.py (the step trace), predict_step.py (a step with no
-backward), jump_clock.py (a jump's wall time against its charge); they reach the trainer through seam.py's protocol.
+Thin glue: the Trainer subclass holds its overrides; what they call lives in the capability packages (jumps/, guard/,
+autopilot/) and in loop/ and memory/, which they share. The parts reach the trainer through loop/seam.py's protocol.
 Each override exists for one reason:
 - `get_batch_samples`: a rolled-back jump's batches were never trained on; they are handed out again
-  before fresh ones, so the run keeps the Trainer's data order (replay.py);
+  before fresh ones, so the run keeps the Trainer's data order (loop/replay.py);
 - `training_step`: a Predict step must run no backward (only a no-grad forward to check the loss),
   and its predicted delta is applied at the first micro-batch of the optimizer step;
 - `_clip_grad_norm` / `_get_grad_norm`: the Trainer calls them on every optimizer step; on a step with
@@ -14,7 +12,7 @@ Each override exists for one reason:
   a real step the gradient norm is where a NaN or an explosion is caught before the optimizer runs;
 - `_save_optimizer_and_scheduler` / `_load_optimizer_and_scheduler`: they run on every rank, so the
   hybrid state is saved and restored beside the optimizer's (checkpoint.py: replicated tensors once per job);
-- `_load_rng_state`: the checkpoint's RNG already holds the DataLoader seed draws that epoch_seed.py defers;
+- `_load_rng_state`: the checkpoint's RNG already holds the DataLoader seed draws that loop/epoch_seed.py defers;
 - `log`: to merge the `hybrid/...` metrics into the Trainer's logs, so every `report_to` gets them;
 - `train`: a run the guard stopped raises `GuardStoppedError` once the Trainer has finished its bookkeeping.
 The other loop points come through a callback placed first in line, so that a rolled-back step is made up before
@@ -27,21 +25,21 @@ import torch
 from transformers import Trainer, TrainerCallback
 from transformers.utils import logging
 
+from .autopilot.runner import LrAutopilot, build_autopilot
+from .autopilot.scale import LrScale
 from .checkpoint import find_hybrid_state, load_hybrid_state, save_hybrid_state
 from .config import hybrid_settings, ignored_flags
-from .controller import Phase
-from .engine import HybridEngine
-from .guard import StepGuard
-from .guard_loop import GuardAtLoop, GuardStoppedError
-from .jump_clock import JumpClock
+from .guard.rules import StepGuard
+from .guard.runner import GuardAtLoop, GuardStoppedError
+from .jumps.clock import JumpClock
+from .jumps.controller import Phase
+from .jumps.engine import HybridEngine
+from .jumps.lr_advice import jump_advice
+from .jumps.predict_step import predict_training_step
 from .launch import check_launch_mode
-from .lr_advice import jump_advice
-from .lr_autopilot import LrAutopilot, build_autopilot
-from .lr_scale import LrScale
-from .memory import EmergencyCheckpointCallback, VramMonitor
-from .predict_step import predict_training_step
-from .seam import StepLosses, mean_across_ranks
-from .step_veto import CountedStepSchedule, StepVeto
+from .loop.seam import StepLosses, mean_across_ranks
+from .loop.step_veto import CountedStepSchedule, StepVeto
+from .memory.vram import EmergencyCheckpointCallback, VramMonitor
 from .trace import StepTrace
 
 __all__ = ["GuardStoppedError", "HybridHFTrainer", "HybridMixin", "load_hybrid_state"]

@@ -135,7 +135,7 @@ def run_arm(arm: str, preset: dict, out_dir: Path, seed: int, hybrid_overrides: 
             time_hybrid_hooks(result, cuda)
         trainer_cls = timed_trainer(HybridHFTrainer, "TimedHybrid", result, cuda)
         # Its evaluations come on the library's counted steps: after as many of the Trainer's updates as the
-        # baseline's, and so at the same place in the dropout RNG (hf_hybrid/step_veto.py).
+        # baseline's, and so at the same place in the dropout RNG (hf_hybrid/loop/step_veto.py).
         args = HybridTrainingArguments(**common, **{**preset["hybrid"], **hybrid_overrides})
     else:
         trainer_cls = timed_trainer(Trainer, "TimedTrainer", result, cuda)

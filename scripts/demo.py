@@ -79,7 +79,7 @@ def speed_arm(arm: str, preset: dict, learning_rate: float, seed: int, out_dir: 
 
     class Clock(TrainerCallback):
         """Training time only: the clock stops while the Trainer evaluates. The hybrid evaluates on its counted
-        steps, after as many of the Trainer's updates as the baseline (hf_hybrid/step_veto.py); each evaluation
+        steps, after as many of the Trainer's updates as the baseline (hf_hybrid/loop/step_veto.py); each evaluation
         also records the gradient updates spent so far."""
 
         def __init__(self) -> None:

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from hf_hybrid.plotting import (
+from plotting import (
     TRACE_FILE,
     Axis,
     TraceRecord,

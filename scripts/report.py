@@ -274,7 +274,7 @@ def plot(root: Path, baseline: ArmResult, hybrid: ArmResult, target: float) -> N
     except ImportError:
         print("(matplotlib not installed: no PNG; pip install hf-hybrid[plot])")
         return
-    from hf_hybrid.plotting import shade_phases
+    from plotting import shade_phases
 
     trace_path = root / "hybrid-0" / "hybrid_trace.jsonl"
     trace = [json.loads(line) for line in trace_path.read_text().splitlines()] if trace_path.exists() else []

@@ -149,8 +149,8 @@ def time_hybrid_hooks(result, cuda: bool) -> None:
     returns; `<key>_host` holds the part before that second wait (the host's own work, which on a step bound by the
     host is the hook's cost), `<key>_calls` the number of clocked calls, and `idle_synchronize` what one wait costs
     with nothing queued."""
-    from hf_hybrid.engine import HybridEngine
-    from hf_hybrid.guard_loop import GuardAtLoop
+    from hf_hybrid.guard.runner import GuardAtLoop
+    from hf_hybrid.jumps.engine import HybridEngine
 
     if cuda:
         result.timing["idle_synchronize"] = idle_synchronize_seconds()

@@ -83,7 +83,7 @@ def make_trainer(output_dir, model=None, dataset=None, eval_dataset=None, **over
 
 def reject_every_jump(monkeypatch) -> None:
     """Every probe verdict sees an infinitely bad jump: each Predict phase ends in a rollback."""
-    from hf_hybrid.payoff import PayoffMeter
+    from hf_hybrid.jumps.payoff import PayoffMeter
 
     original_verdict = PayoffMeter.verdict
     monkeypatch.setattr(PayoffMeter, "verdict", lambda self, gain, noise: original_verdict(self, float("-inf")))

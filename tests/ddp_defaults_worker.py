@@ -15,8 +15,8 @@ from faults import FaultPlan, LearningRateSpike, with_faults  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 from hf_hybrid import HybridHFTrainer  # noqa: E402
-from hf_hybrid.lr_scale import LrScale  # noqa: E402
-from hf_hybrid.payoff import PayoffMeter  # noqa: E402
+from hf_hybrid.autopilot.scale import LrScale  # noqa: E402
+from hf_hybrid.jumps.payoff import PayoffMeter  # noqa: E402
 from tests.conftest import hybrid_args, tiny_gpt2, token_dataset  # noqa: E402
 from tests.ddp_guard_worker import HashEveryStep  # noqa: E402
 from tests.test_guard import GUARD, SPIKE  # noqa: E402

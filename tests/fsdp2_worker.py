@@ -27,8 +27,8 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from hf_hybrid import Phase  # noqa: E402
 from hf_hybrid.config import HYBRID_FIELDS  # noqa: E402
-from hf_hybrid.engine import HybridEngine  # noqa: E402
-from hf_hybrid.snapshot import TrainingSnapshot  # noqa: E402
+from hf_hybrid.jumps.engine import HybridEngine  # noqa: E402
+from hf_hybrid.memory.snapshot import TrainingSnapshot  # noqa: E402
 from tests.conftest import FAST_SCHEDULE, tiny_gpt2, token_dataset  # noqa: E402
 
 LR = 3e-3

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_hybrid.controller import ControllerConfig, Phase, PhaseController
+from hf_hybrid.jumps.controller import ControllerConfig, Phase, PhaseController
 
 
 def run(controller: PhaseController, steps: int, confidence: float = 1.0, ready: bool = True) -> list[Phase]:

@@ -16,7 +16,7 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from hf_hybrid import HybridHFTrainer, Phase
-from hf_hybrid.host_buffers import pinned_layout
+from hf_hybrid.memory.host_buffers import pinned_layout
 
 from .conftest import hybrid_args, make_trainer, reject_every_jump, tiny_gpt2, token_dataset
 from .test_equivalence_resume import assert_bit_identical, check_resume_mid_predict, state
@@ -250,7 +250,7 @@ class Readings:
     """Counts the autopilot's readings: each applies a step along its line and restores what it touched."""
 
     def __init__(self, monkeypatch) -> None:
-        from hf_hybrid.lr_scale import LrScale
+        from hf_hybrid.autopilot.scale import LrScale
 
         self.count, original = 0, LrScale.reading
 
@@ -279,10 +279,10 @@ def test_after_rejected_jumps_and_readings_training_is_the_trainers_bit_for_bit(
     reference.train()
 
     reject_every_jump(monkeypatch)
-    monkeypatch.setattr("hf_hybrid.lr_scale.RAISE_REACH", math.inf)
-    monkeypatch.setattr("hf_hybrid.lr_scale.STEADY_REACH", math.inf)
+    monkeypatch.setattr("hf_hybrid.autopilot.scale.RAISE_REACH", math.inf)
+    monkeypatch.setattr("hf_hybrid.autopilot.scale.STEADY_REACH", math.inf)
     # Nor does any reading hold the jumps back: they are to be tried and rejected.
-    monkeypatch.setattr("hf_hybrid.lr_scale.LrScale.steps_long_enough", property(lambda self: False))
+    monkeypatch.setattr("hf_hybrid.autopilot.scale.LrScale.steps_long_enough", property(lambda self: False))
     readings = Readings(monkeypatch)
     recorder = StepRecorder()
     trainer = make_trainer(tmp_path / "hybrid", model=tiny_gpt2(dropout=0.1), dataset=token_dataset(1024),

@@ -9,8 +9,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
 
-from hf_hybrid import memory
-from hf_hybrid.memory import EmergencyCheckpointCallback, VramMonitor
+from hf_hybrid.memory import vram as memory
+from hf_hybrid.memory.vram import EmergencyCheckpointCallback, VramMonitor
 
 from .test_memory import MIB, FakeNvml, fake_cuda
 
@@ -42,7 +42,7 @@ def test_emergency_checkpoint_once_per_episode_and_rearms(low_memory_gpu, caplog
     set_free(nvml, 500)
     assert not any(step_end(callback, step) for step in range(1, 10))
     assert nvml.memory_queries == queries, "NVML was read between checks"
-    with caplog.at_level("WARNING", logger="hf_hybrid.memory"):
+    with caplog.at_level("WARNING", logger="hf_hybrid.memory.vram"):
         assert step_end(callback, 10)
     assert "500 MB" in caplog.text and "1000 MB" in caplog.text
     assert not step_end(callback, 20), "a second checkpoint in the same low-memory episode"

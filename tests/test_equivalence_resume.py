@@ -73,9 +73,9 @@ def test_resume_mid_predict_then_rollback_is_bit_identical(tmp_path, monkeypatch
 
 def test_a_run_with_dropout_resumed_near_an_epoch_start_draws_the_same_masks(tmp_path, monkeypatch):
     """Rejected jumps leave batches waiting for replay, so each epoch's DataLoader seed draw is deferred past the
-    epoch's first fetch (epoch_seed.py). Resumed mid-epoch after the draw was made, the checkpoint's RNG holds it and
-    the resumed run's own iterator adds none; resumed while it is still deferred, the checkpoint carries it. Both end
-    at the uninterrupted run's weights bit for bit: dropout draws every mask from the same RNG."""
+    epoch's first fetch (loop/epoch_seed.py). Resumed mid-epoch after the draw was made, the checkpoint's RNG holds it
+    and the resumed run's own iterator adds none; resumed while it is still deferred, the checkpoint carries it. Both
+    end at the uninterrupted run's weights bit for bit: dropout draws every mask from the same RNG."""
     reject_every_jump(monkeypatch)
     settings = dict(max_steps=40, save_strategy="steps", save_steps=1, hybrid_payoff_check=True)
     examples = 128  # 16 steps per epoch
@@ -98,10 +98,10 @@ def test_a_run_with_dropout_resumed_near_an_epoch_start_draws_the_same_masks(tmp
 
 def test_a_run_resumed_while_an_evaluation_waits_for_a_jump_evaluates_where_the_uninterrupted_one_does(
         tmp_path, monkeypatch):
-    """Evaluations due inside a chain of kept jumps wait for the chain's end (step_veto.py). A checkpoint saved while
-    one waits must carry that it is owed: a resumed run that took the last multiple of eval_steps for done skipped it
-    (the jumps here are `velocity`'s, open through their Correct steps)."""
-    from hf_hybrid.payoff import PayoffMeter
+    """Evaluations due inside a chain of kept jumps wait for the chain's end (loop/step_veto.py). A checkpoint saved
+    while one waits must carry that it is owed: a resumed run that took the last multiple of eval_steps for done skipped
+    it (the jumps here are `velocity`'s, open through their Correct steps)."""
+    from hf_hybrid.jumps.payoff import PayoffMeter
 
     verdict = PayoffMeter.verdict
     monkeypatch.setattr(PayoffMeter, "verdict", lambda self, gain, noise: verdict(self, 1e6))  # every jump kept

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from hf_hybrid import HybridHFTrainer
-from hf_hybrid.guard import Action, StepGuard
+from hf_hybrid.guard.rules import Action, StepGuard
 from hf_hybrid.trainer import GuardStoppedError, load_hybrid_state
 
 from .conftest import flat_params, hybrid_args, tiny_gpt2, token_dataset
@@ -207,7 +207,7 @@ def test_an_update_that_raised_its_own_batchs_loss_is_rolled_back(tmp_out, caplo
     outlier bound (4.14 against 4.63); but its loss rose from 2.08 to 4.14 through that update, so the weights are
     bad, not the data. Before session 28 the guard skipped the step and kept the update."""
     trainer = guarded_trainer(tmp_out, FaultPlan(spike_step=27), spike=70.0)
-    with caplog.at_level("WARNING", logger="hf_hybrid.guard_loop"):
+    with caplog.at_level("WARNING", logger="hf_hybrid.guard.runner"):
         rows = train_recorded(trainer).rows
     events = [(r["step"], r["guard"]) for r in trace(tmp_out) if r["guard"]]
     assert events == [(29, "rollback")]

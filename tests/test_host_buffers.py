@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from hf_hybrid.host_buffers import packed_like, pinned_layout
+from hf_hybrid.memory.host_buffers import packed_like, pinned_layout
 
 GPT2_SIZES = {"124M": (12, 768, 12), "355M": (24, 1024, 16), "774M": (36, 1280, 20), "1.5B": (48, 1600, 25)}
 

@@ -10,15 +10,15 @@ import sys
 import pytest
 from transformers import TrainerCallback
 
-from hf_hybrid import host_memory
-from hf_hybrid.host_memory import available_host_bytes, rollback_state_bytes
-from hf_hybrid.predictors import outer
+from hf_hybrid.jumps.predictors import outer
+from hf_hybrid.memory import host_memory
+from hf_hybrid.memory.host_memory import available_host_bytes, rollback_state_bytes
 
 from .conftest import make_trainer
 
 
 def keep_every_jump(monkeypatch) -> None:
-    from hf_hybrid.payoff import PayoffMeter
+    from hf_hybrid.jumps.payoff import PayoffMeter
 
     original_verdict = PayoffMeter.verdict
     monkeypatch.setattr(PayoffMeter, "verdict", lambda self, gain, noise: original_verdict(self, 1e9, 0.0))
@@ -58,7 +58,7 @@ def test_the_rollback_state_never_holds_more_than_its_bound_and_reaches_it(tmp_p
 
 
 def test_a_run_whose_rollback_state_may_not_fit_is_told_once(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr("hf_hybrid.guard_loop.available_host_bytes", lambda: 1)
+    monkeypatch.setattr("hf_hybrid.guard.runner.available_host_bytes", lambda: 1)
     with caplog.at_level(logging.WARNING, logger="hf_hybrid"):
         long_cycles(tmp_path / "short").train()
     lines = [r.getMessage() for r in caplog.records if "killed for memory" in r.getMessage()]
@@ -66,7 +66,7 @@ def test_a_run_whose_rollback_state_may_not_fit_is_told_once(tmp_path, monkeypat
     assert "up to 0.0 GB of host memory on this rank (5.0x the parameters'" in lines[0]
     assert "this machine has 0.0 GB available" in lines[0] and "--hybrid_guard_snapshot_steps 0" in lines[0]
     caplog.clear()
-    monkeypatch.setattr("hf_hybrid.guard_loop.available_host_bytes", lambda: 10**15)
+    monkeypatch.setattr("hf_hybrid.guard.runner.available_host_bytes", lambda: 10**15)
     with caplog.at_level(logging.WARNING, logger="hf_hybrid"):
         long_cycles(tmp_path / "ample").train()
     assert not [r for r in caplog.records if "killed for memory" in r.getMessage()]
@@ -164,7 +164,7 @@ def first_kept_jump_after_a_long_first_cycle(tmp_path, monkeypatch, **extra) -> 
         at_allocation.append((size.held + sum(b.numel() * b.element_size() for b in buffers)) // size.params)
         return buffers
 
-    monkeypatch.setattr("hf_hybrid.predictors.outer.host_like", counted_host_like)
+    monkeypatch.setattr("hf_hybrid.jumps.predictors.outer.host_like", counted_host_like)
     trainer.train()
     assert trainer.hybrid_stats()["predictions_kept"] >= 2
     assert at_allocation and max(at_allocation) <= 4, at_allocation

@@ -80,8 +80,8 @@ def test_a_learning_rate_trial_adds_no_host_read_to_its_real_steps(tmp_path, cou
     """A raise's trial: its real steps read no more than any real step, and the reading that judges it adds only its
     verdict's forwards."""
     # Every reading that reads a line at all, with the loss falling, asks for the largest raise.
-    monkeypatch.setattr("hf_hybrid.lr_scale.RAISE_REACH", 0.0)
-    monkeypatch.setattr("hf_hybrid.lr_scale.TARGET_REACH", 1e-6)
+    monkeypatch.setattr("hf_hybrid.autopilot.scale.RAISE_REACH", 0.0)
+    monkeypatch.setattr("hf_hybrid.autopilot.scale.TARGET_REACH", 1e-6)
     common = dict(max_steps=60, logging_steps=1000, max_grad_norm=1.0, learning_rate=3e-4)
     plain = Trainer(model=tiny_gpt2(), args=hybrid_args(tmp_path / "plain", **common), train_dataset=token_dataset())
     plain_count = max(n for _, n, _, _ in reads(plain, counter))

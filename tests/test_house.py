@@ -3,6 +3,7 @@ dates belong to docs/benchmarks.md and the git log, where they stay true."""
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -18,9 +19,65 @@ def test_no_run_numbers_sessions_or_dates_in_the_library():
 
 
 def test_only_the_trainer_glue_reads_a_trainers_private_attributes():
-    # The loop parts reach the trainer through seam.py's protocol, where a reader sees all they ask of it.
+    # The loop parts reach the trainer through loop/seam.py's protocol, where a reader sees all they ask of it.
     reach = re.compile(r"trainer\._[a-z]")
     glue = {"trainer.py", "sft.py", "__init__.py"}
     found = [f"{path.name}:{number}" for path in sorted(LIBRARY.rglob("*.py")) if path.name not in glue
              for number, line in enumerate(path.read_text().splitlines(), 1) if reach.search(line)]
     assert found == []
+
+
+# Each capability is a package; a floor imports only from floors below it or from its own package.
+FLOORS = {"memory": 0, "loop": 0, "jumps": 1, "guard": 1, "autopilot": 2, "config": 3, "checkpoint": 3, "trace": 3,
+          "launch": 3, "data": 3, "trainer": 4, "sft": 5}
+
+
+def _runtime_imports() -> dict[str, set[str]]:
+    """module -> the package modules it imports when it runs (imports under `if TYPE_CHECKING:` are types only)."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted(LIBRARY.rglob("*.py")):
+        parts = path.relative_to(LIBRARY).with_suffix("").parts
+        module = ".".join(p for p in parts if p != "__init__")
+        package = parts[:-1]
+        tree = ast.parse(path.read_text())
+        typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                       and getattr(node.test, "id", None) == "TYPE_CHECKING" for n in ast.walk(node)}
+        found = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level and id(node) not in typing_only:
+                base = package[:len(package) - node.level + 1]
+                target = ".".join([*base, *(node.module or "").split(".")]).strip(".")
+                found |= {target} if node.module else {f"{target}.{alias.name}".strip(".") for alias in node.names}
+        graph[module] = found
+    return graph
+
+
+def _floor(module: str) -> int | None:
+    return FLOORS.get(module.split(".")[0])
+
+
+def test_every_module_sits_on_a_floor_and_imports_only_downward():
+    graph = _runtime_imports()
+    assert [m for m in graph if m and _floor(m) is None] == []
+    upward = [f"{m} -> {t}" for m, targets in graph.items() if m for t in targets
+              if t.split(".")[0] != m.split(".")[0] and _floor(t) is not None and _floor(t) >= _floor(m)]
+    assert upward == []
+
+
+def test_no_import_circle():
+    graph = _runtime_imports()
+    seen: dict[str, int] = {}  # 1: on the path, 2: done
+
+    def visit(module: str, path: list[str]) -> list[str] | None:
+        seen[module] = 1
+        for target in sorted(graph.get(module, ())):
+            target = target if target in graph else target.rsplit(".", 1)[0]
+            if seen.get(target) == 1:
+                return [*path, module, target]
+            if target in graph and target not in seen and (circle := visit(target, [*path, module])):
+                return circle
+        seen[module] = 2
+        return None
+
+    circles = [c for m in sorted(graph) if m not in seen and (c := visit(m, []))]
+    assert circles == []

@@ -8,9 +8,9 @@ import time
 from types import SimpleNamespace
 
 from hf_hybrid import Phase
-from hf_hybrid.engine import HybridEngine
-from hf_hybrid.jump_clock import JumpClock
-from hf_hybrid.payoff import PayoffMeter
+from hf_hybrid.jumps.clock import JumpClock
+from hf_hybrid.jumps.engine import HybridEngine
+from hf_hybrid.jumps.payoff import PayoffMeter
 
 from .conftest import make_trainer
 

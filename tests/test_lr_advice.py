@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from hf_hybrid.lr_advice import jump_advice
+from hf_hybrid.jumps.lr_advice import jump_advice
 
 from .conftest import make_trainer
 

@@ -1,5 +1,5 @@
-"""The learning-rate autopilot: a judged, reversible multiplier on the user's schedule (lr_scale.py,
-lr_autopilot.py)."""
+"""The learning-rate autopilot: a judged, reversible multiplier on the user's schedule (autopilot/scale.py,
+autopilot/runner.py)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import TrainerCallback
 
 from hf_hybrid import HybridHFTrainer
-from hf_hybrid.engine import HybridEngine
-from hf_hybrid.forward_checks import probe_loss
-from hf_hybrid.lr_scale import LrScale, reach_of_line
-from hf_hybrid.step_line import SPACING, _move_along_next_step, _step_groups, next_step_line
-from hf_hybrid.trial_verdict import raise_gain
+from hf_hybrid.autopilot.line import SPACING, _move_along_next_step, _step_groups, next_step_line
+from hf_hybrid.autopilot.scale import LrScale, reach_of_line
+from hf_hybrid.autopilot.verdict import raise_gain
+from hf_hybrid.jumps.engine import HybridEngine
+from hf_hybrid.loop.forward_checks import probe_loss
 
 from .conftest import hybrid_args, make_trainer, reject_every_jump, tiny_gpt2, token_dataset
 from .test_equivalence_resume import assert_bit_identical, state
@@ -444,7 +444,7 @@ def test_a_raise_is_undone_only_when_it_did_worse_by_more_than_the_noise(tmp_out
         asked.append(raise_)
         return gain, noise
 
-    monkeypatch.setattr("hf_hybrid.lr_autopilot.raise_gain", scripted)
+    monkeypatch.setattr("hf_hybrid.autopilot.runner.raise_gain", scripted)
     assert autopilot._raise_paid() is kept  # the default margin: 2 standard errors
     assert asked == [pytest.approx(2.0)] and autopilot.last_verdict == (gain, noise)
     trainer._guard_loop.snapshot.invalidate()  # no undo point: nothing to judge against
@@ -514,7 +514,7 @@ HELD = dict(OUTER, max_steps=80, hybrid_warmup_steps=12, lr_scheduler_type="cons
 def run_with_readings_of(tmp_path, monkeypatch, reach: float, name: str) -> tuple[HybridHFTrainer, list[int]]:
     """Every autopilot reading's line bottoms out `reach` of today's steps out. The first turn to jump comes after the
     first reading (step 11). Returns the trainer and the steps it read at."""
-    monkeypatch.setattr("hf_hybrid.lr_scale.reach_of_line", lambda f0, f1, f2: reach / SPACING)
+    monkeypatch.setattr("hf_hybrid.autopilot.scale.reach_of_line", lambda f0, f1, f2: reach / SPACING)
     trainer = make_trainer(tmp_path / name, learning_rate=1e-3, model=tiny_gpt2(dropout=0.1), **HELD)
     return trainer, train_noting_readings(trainer)
 
@@ -535,7 +535,7 @@ def test_where_the_steps_are_long_enough_no_jump_is_tried_and_the_run_is_the_tra
     plain = make_trainer(tmp_path / "plain", learning_rate=1e-3, model=tiny_gpt2(dropout=0.1), hybrid=False, **HELD)
     plain.train()
     assert_bit_identical(state(plain.model), state(held.model))
-    monkeypatch.setattr("hf_hybrid.lr_scale.STEADY_REACH", math.inf)  # a longer line, but no raise
+    monkeypatch.setattr("hf_hybrid.autopilot.scale.STEADY_REACH", math.inf)  # a longer line, but no raise
     tried, _ = run_with_readings_of(tmp_path, monkeypatch, reach=3.0, name="tried")
     assert tried.hybrid_stats()["predictions_judged"] > 0 and tried.hybrid_stats()["turns_passed"] == 0
 
@@ -546,7 +546,7 @@ def test_no_raise_starts_before_the_third_reading_after_a_guard_skip(tmp_path, m
     guard skips, holds the raise until the third reading after it."""
     from .test_safety import nan_model
 
-    monkeypatch.setattr("hf_hybrid.lr_scale.reach_of_line", lambda f0, f1, f2: 10.0 / SPACING)
+    monkeypatch.setattr("hf_hybrid.autopilot.scale.reach_of_line", lambda f0, f1, f2: 10.0 / SPACING)
     model = nan_model(at_grad=() if nan_at is None else (nan_at,))
     trainer = make_trainer(tmp_path, model=model, learning_rate=1e-4, lr_scheduler_type="constant",
                            **{**OUTER, "max_steps": 70})
@@ -572,7 +572,7 @@ def test_no_raise_starts_where_the_run_would_end_before_its_verdict(tmp_out, mon
     """Every line reads 10 steps, on a constant schedule: the reading 8 steps before the end judges the open raise and
     keeps it, but starts no other, whose verdict would come after the end. Had one been open at the end, the end line
     would advise only the LR that was judged."""
-    monkeypatch.setattr("hf_hybrid.lr_scale.reach_of_line", lambda f0, f1, f2: 10.0 / SPACING)
+    monkeypatch.setattr("hf_hybrid.autopilot.scale.reach_of_line", lambda f0, f1, f2: 10.0 / SPACING)
     trainer = make_trainer(tmp_out, learning_rate=1e-4, lr_scheduler_type="constant", **{**OUTER, "max_steps": 40})
     read_at = train_noting_readings(trainer)
     scale = trainer._lr_autopilot.scale
@@ -591,7 +591,7 @@ def test_no_raise_starts_in_the_first_descent_just_after_the_warmup(tmp_out, mon
     LR (cpu-small at its own LR: 8 steps at step 20, a raise there ended 0.28 above the Trainer). Every line reads
     10 steps here: the reading as a 20-step warmup ends only gives the next one its rate, and is no evidence; the
     first raise needs two long readings past the first descent."""
-    monkeypatch.setattr("hf_hybrid.lr_scale.reach_of_line", lambda f0, f1, f2: 10.0 / SPACING)
+    monkeypatch.setattr("hf_hybrid.autopilot.scale.reach_of_line", lambda f0, f1, f2: 10.0 / SPACING)
     trainer = make_trainer(tmp_out, learning_rate=1e-4, warmup_steps=20, lr_scheduler_type="constant_with_warmup",
                            **{**OUTER, "max_steps": 50})
     scales = []

@@ -2,8 +2,8 @@ import types
 
 import torch
 
-from hf_hybrid import memory
-from hf_hybrid.memory import VramMonitor
+from hf_hybrid.memory import vram as memory
+from hf_hybrid.memory.vram import VramMonitor
 
 MIB = 2**20
 

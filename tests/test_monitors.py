@@ -7,9 +7,9 @@ import random
 
 import torch
 
-from hf_hybrid.divergence import DivergenceMonitor
-from hf_hybrid.dynamics import LossDynamicsModel
-from hf_hybrid.payoff import PayoffMeter
+from hf_hybrid.jumps.dynamics import LossDynamicsModel
+from hf_hybrid.jumps.payoff import PayoffMeter
+from hf_hybrid.loop.divergence import DivergenceMonitor
 
 
 def feed(model: LossDynamicsModel, noise: float, steps: int = 260, seed: int = 0) -> list[float]:

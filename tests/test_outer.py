@@ -11,10 +11,10 @@ import torch
 from transformers import TrainerCallback
 
 from hf_hybrid import HybridHFTrainer, Phase
-from hf_hybrid.host_buffers import HostCopies, host_like
-from hf_hybrid.jump import JumpLifecycle
-from hf_hybrid.payoff import PayoffMeter
-from hf_hybrid.predictors.outer import OuterMomentumPredictor
+from hf_hybrid.jumps.lifecycle import JumpLifecycle
+from hf_hybrid.jumps.payoff import PayoffMeter
+from hf_hybrid.jumps.predictors.outer import OuterMomentumPredictor
+from hf_hybrid.memory.host_buffers import HostCopies, host_like
 
 from .conftest import flat_params, hybrid_args, make_trainer, reject_every_jump, tiny_gpt2, token_dataset
 from .test_equivalence_resume import assert_bit_identical, state
@@ -215,7 +215,7 @@ def test_the_first_momentum_in_the_anchors_buffers_is_the_one_in_new_ones_bit_fo
         return first_bufs, [p.detach().clone() for p in trainer.model.parameters()]
 
     taken, taken_weights = trained("taken")
-    monkeypatch.setattr("hf_hybrid.guard_loop.GuardAtLoop.stands_on_anchor", property(lambda self: True))
+    monkeypatch.setattr("hf_hybrid.guard.runner.GuardAtLoop.stands_on_anchor", property(lambda self: True))
     new, new_weights = trained("new")
     assert taken[-1].item() and not new[-1].item()  # the anchor's buffers were taken in the first run only
     bits = [t.view(torch.int32) for t in (*taken[:-1], *taken_weights)], [

@@ -10,9 +10,11 @@ from pathlib import Path
 import pytest
 from matplotlib.colors import to_rgb
 
-from hf_hybrid.plotting import PHASE_COLORS, mark_rollbacks, new_figure, phase_spans, shade_phases
-
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+
+from plotting import PHASE_COLORS, mark_rollbacks, new_figure, phase_spans, shade_phases  # noqa: E402
+
 PLOT_SCRIPT = REPO / "scripts" / "plot.py"
 
 # (phase, number of steps): all four phases, with the predict/correct cycle repeated.

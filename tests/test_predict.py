@@ -109,7 +109,7 @@ def test_logs_carry_numeric_hybrid_metrics(tmp_out):
 
 
 def test_updates_are_measured_only_in_the_window_before_a_prediction(tmp_out, monkeypatch):
-    from hf_hybrid.predictors.velocity import VelocityPredictor
+    from hf_hybrid.jumps.predictors.velocity import VelocityPredictor
 
     trainer = None
     observed, restarts = [], []

@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2ForSequenceClassification
 
-from hf_hybrid.forward_checks import probe_loss, probe_loss_by_sequence, sequence_losses
-from hf_hybrid.payoff import PayoffMeter
-from hf_hybrid.predict_step import paired_noise
+from hf_hybrid.jumps.payoff import PayoffMeter
+from hf_hybrid.jumps.predict_step import paired_noise
+from hf_hybrid.loop.forward_checks import probe_loss, probe_loss_by_sequence, sequence_losses
 
 from .conftest import BLOCK, VOCAB, make_trainer, tiny_gpt2
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_hybrid.replay import BatchReplay
+from hf_hybrid.loop.replay import BatchReplay
 
 
 def unit(n: int, micro: int = 2):

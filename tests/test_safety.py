@@ -10,9 +10,9 @@ import torch
 from transformers import TrainerCallback
 
 from hf_hybrid import Phase
-from hf_hybrid.engine import StepRecord
-from hf_hybrid.forward_checks import probe_loss
-from hf_hybrid.predictors import VelocityPredictor
+from hf_hybrid.jumps.engine import StepRecord
+from hf_hybrid.jumps.predictors import VelocityPredictor
+from hf_hybrid.loop.forward_checks import probe_loss
 
 from .conftest import flat_params, make_trainer, reject_every_jump, tiny_gpt2, token_dataset
 from .test_predict import StepRecorder, train_recorded
@@ -223,7 +223,7 @@ def test_after_rejected_jumps_training_is_the_trainers_bit_for_bit(tmp_path, mon
     Two runs cross into a second epoch (64 batches each) with replayed batches still queued. The hybrid reaches the
     epoch's end at an earlier real step, and each epoch's DataLoader iterator draws its seed from the global RNG,
     which on CPU is also the dropout RNG: with dropout, the masks match only because that draw is deferred to the
-    real step where the Trainer makes it (epoch_seed.py). So is each evaluation's: the hybrid evaluates at global
+    real step where the Trainer makes it (loop/epoch_seed.py). So is each evaluation's: the hybrid evaluates at global
     steps that its made-up steps brought earlier in real steps (eval_seed.py)."""
     plain = WeightsPerStep()
     settings = dict(max_steps=100, lr_scheduler_type="linear")  # room for 28 more steps in the last epoch

@@ -24,7 +24,7 @@ from collections import deque
 import torch
 from torch import nn
 
-from .rng import forked_rng
+from ..loop.rng import forked_rng
 
 NUM_FEATURES = 3
 

@@ -1,4 +1,4 @@
-"""The guard at the Trainer's loop: what `StepGuard` (guard.py) decides, carried out on a real training run.
+"""The guard at the Trainer's loop: what `StepGuard` (guard/rules.py) decides, carried out on a real training run.
 
 Every real step is judged where its gradient norm is taken, from the same rank-averaged numbers as the engine. A flagged
 step is vetoed at once; what the verdict asks for (skip, roll back to the last snapshot, stop) is carried out at the
@@ -15,14 +15,14 @@ import os
 import torch
 from transformers.utils import logging
 
-from .divergence import non_finite
-from .forward_checks import training_step_loss
-from .guard import Action, GuardEvent, StepGuard
-from .host_memory import available_host_bytes, host_memory_warning, local_ranks, rollback_state_bytes
-from .replay import Unit, move_unit
-from .rng import forked_rng
-from .seam import HybridTrainer
-from .snapshot import TrainingSnapshot, rng_state
+from ..loop.divergence import non_finite
+from ..loop.forward_checks import training_step_loss
+from ..loop.replay import Unit, move_unit
+from ..loop.rng import forked_rng
+from ..loop.seam import HybridTrainer
+from ..memory.host_memory import available_host_bytes, host_memory_warning, local_ranks, rollback_state_bytes
+from ..memory.snapshot import TrainingSnapshot, rng_state
+from .rules import Action, GuardEvent, StepGuard
 
 logger = logging.get_logger(__name__)
 
@@ -53,11 +53,11 @@ class GuardAtLoop:
         # Set by a save: the next accepted step's snapshot is the checkpoint's own state, which a run resumed from it
         # takes at that step too (it starts with none), so both runs hold the same snapshot from there on.
         self.snapshot_asked = False
-        # Set while a learning-rate raise is on trial (lr_autopilot.py): the snapshot is its undo point, not replaced
-        # on the periodic schedule until the raise is judged.
+        # Set while a learning-rate raise is on trial (autopilot/runner.py): the snapshot is its undo point, not
+        # replaced on the periodic schedule until the raise is judged.
         self.snapshot_held = False
         # The RNG at the start of the real step under way, when a trial's undo point is due in it: an undone trial
-        # trains that step again on its own batch (replay.py), and must draw the same dropout masks.
+        # trains that step again on its own batch (loop/replay.py), and must draw the same dropout masks.
         self.step_rng: dict | None = None
         self.memory_checked = False  # at the first snapshot, where the optimizer's state exists
         if saved is not None:

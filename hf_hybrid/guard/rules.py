@@ -35,7 +35,7 @@ from collections import deque
 from dataclasses import dataclass
 from enum import Enum
 
-from .divergence import non_finite
+from ..loop.divergence import non_finite
 
 MAD_TO_SIGMA = 1.4826  # the MAD of a normal distribution is 0.6745 sigma
 # Floors on the robust sigma, so that an unusually smooth stretch does not turn ordinary noise into outliers:

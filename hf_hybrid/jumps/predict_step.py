@@ -12,8 +12,8 @@ import math
 
 import torch
 
-from .forward_checks import predict_step_loss, probe_loss, probe_loss_by_sequence
-from .seam import HybridTrainer
+from ..loop.forward_checks import predict_step_loss, probe_loss, probe_loss_by_sequence
+from ..loop.seam import HybridTrainer
 
 
 def predict_training_step(trainer: HybridTrainer, model: torch.nn.Module, inputs: dict,

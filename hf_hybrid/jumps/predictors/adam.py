@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .base import StepwisePredictor, local_shard
+from ...memory.shards import local_shard
+from .base import StepwisePredictor
 
 
 class AdamPredictor(StepwisePredictor):

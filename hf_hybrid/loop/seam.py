@@ -1,7 +1,8 @@
-"""The seam between the Trainer glue (trainer.py) and the parts that act inside its loop (guard_loop.py,
-lr_autopilot.py, predict_step.py, trial_verdict.py, forward_checks.py, jump_clock.py, step_veto.py): what they use of
-a `HybridHFTrainer` beyond the public `transformers.Trainer` API, named in one protocol, so that no part reads the
-Trainer's private attributes and a reader sees here everything the loop parts ask of it."""
+"""The seam between the Trainer glue (trainer.py) and the parts that act inside its loop (guard/runner.py,
+autopilot/runner.py, jumps/predict_step.py, autopilot/verdict.py, loop/forward_checks.py, jumps/clock.py,
+loop/step_veto.py): what they use of a `HybridHFTrainer` beyond the public `transformers.Trainer` API, named in one
+protocol, so that no part reads the Trainer's private attributes and a reader sees here everything the loop parts ask of
+it."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from .engine import HybridEngine
+    from ..jumps.engine import HybridEngine
     from .step_veto import StepVeto
 
 

@@ -1,7 +1,7 @@
 """The DataLoader's epoch seed draw, made where the Trainer makes it.
 
 Each epoch's DataLoader iterator draws its seeds from the global RNG, which on CPU is also the dropout RNG. The
-hybrid fetches batches ahead of its real steps by the units that rolled-back jumps gave back (replay.py), so it
+hybrid fetches batches ahead of its real steps by the units that rolled-back jumps gave back (loop/replay.py), so it
 creates the next epoch's iterator that many real steps early, and every dropout mask after that differs from the
 Trainer's. On cpu-long this alone made the hybrid miss the Trainer's final loss by 0.0003-0.0015 after 2850
 identical real steps (docs/benchmarks.md).

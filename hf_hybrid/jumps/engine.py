@@ -2,8 +2,8 @@
 
 The Trainer subclass calls it at fixed points of its loop (see trainer.py). The engine owns the predictor, the
 dynamics model, the divergence and payoff monitors and the phase controller, keeps the step's bookkeeping, and turns
-their verdicts into tensor operations; the jump's life cycle is in jump.py, the measuring of real updates for the
-predictor in predictor_feed.py.
+their verdicts into tensor operations; the jump's life cycle is in jumps/lifecycle.py, the measuring of real updates for
+the predictor in jumps/predictor_feed.py.
 
 Rank safety: the only rank-local numbers are the micro-batch losses, and they are averaged across ranks (one small
 all-reduce per optimizer step, shared with the gradient norm) before any decision.
@@ -17,17 +17,17 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
+from ..loop.divergence import DivergenceMonitor, non_finite
+from ..loop.epoch_seed import EpochSeedDraw
+from ..loop.replay import BatchReplay, Unit
+from ..memory.shards import local_shard
+from ..memory.snapshot import WeightSnapshot
 from .controller import PHASE_IDS, ControllerConfig, Phase, PhaseController
-from .divergence import DivergenceMonitor, non_finite
 from .dynamics import LossDynamicsModel
-from .epoch_seed import EpochSeedDraw
-from .jump import JumpLifecycle
+from .lifecycle import JumpLifecycle
 from .payoff import PayoffMeter
 from .predictor_feed import PredictorFeed
 from .predictors import build_predictor
-from .predictors.base import local_shard
-from .replay import BatchReplay, Unit
-from .snapshot import WeightSnapshot
 
 
 @dataclass
@@ -84,8 +84,8 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
         self.undone_steps = 0  # optimizer steps undone by rollbacks of jumps so far
         # Optimizer steps not counted toward max_steps (undone by a rollback, or skipped): the trainer adds them.
         self.made_up_steps = 0
-        # The counted step of the last evaluation `--eval_steps` asked for (CountedStepSchedule, step_veto.py), carried
-        # in checkpoints: a resumed run must not take an evaluation an open jump deferred for done.
+        # The counted step of the last evaluation `--eval_steps` asked for (CountedStepSchedule, loop/step_veto.py),
+        # carried in checkpoints: a resumed run must not take an evaluation an open jump deferred for done.
         self.evaluated_count: int | None = None
         if not settings.hybrid_predict:  # the guard alone: retired from the start, no predictor buffers
             self.controller.retired = True
@@ -105,7 +105,7 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
             self.open_jump(step)
 
     def next_batches(self, fresh: Unit) -> Unit:
-        """The batches for the next optimizer step: a rolled-back jump's come back first (see replay.py)."""
+        """The batches for the next optimizer step: a rolled-back jump's come back first (see loop/replay.py)."""
         c = self.controller
         if self.epoch_seed.epoch_starting:
             self.epoch_seed.first_fetch(fresh)
@@ -114,7 +114,7 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
         return unit
 
     def rng_loaded(self) -> None:
-        """A resumed run's RNG came from the checkpoint, after the step's batches were fetched (epoch_seed.py)."""
+        """A resumed run's RNG came from the checkpoint, after the step's batches were fetched (loop/epoch_seed.py)."""
         self.epoch_seed.rng_loaded(self.replay.last, real_step=self.controller.phase is not Phase.PREDICT)
 
     def check_real_step(self, loss: float, grad_norm: float | None, lr: float) -> bool:
@@ -174,7 +174,8 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
         self._anchor = self._predicted = None
 
     def end_step(self, hold: bool = False, anchor_free: bool = False) -> Phase:
-        """After the optimizer step: decide the next step's phase (`hold`: pass a turn to predict, see lr_scale.py;
+        """After the optimizer step: decide the next step's phase (`hold`: pass a turn to predict, see
+        autopilot/scale.py;
         `anchor_free`: see `Predictor.jump_kept`)."""
         record, passes = self.record, self.controller.passes
         if not record.rollback:

@@ -1,7 +1,7 @@
 """The jump's life cycle: a Predict phase opens with a snapshot, is watched step by step against the loss forecast,
 and ends with the probe's verdict; a jump that does not pay is rolled back bit for bit and its batches replayed.
 
-`JumpLifecycle` is the part of `HybridEngine` (engine.py) that does this; the engine owns the parts it uses
+`JumpLifecycle` is the part of `HybridEngine` (jumps/engine.py) that does this; the engine owns the parts it uses
 (controller, predictor, snapshot, payoff meter, replay, loss forecast) and the step bookkeeping around it.
 """
 
@@ -15,13 +15,13 @@ import torch
 from .controller import Phase, PhaseController
 
 if TYPE_CHECKING:
-    from .divergence import DivergenceMonitor
+    from ..loop.divergence import DivergenceMonitor
+    from ..loop.replay import BatchReplay
+    from ..memory.snapshot import WeightSnapshot
     from .dynamics import LossDynamicsModel
     from .engine import StepRecord
     from .payoff import PayoffMeter
     from .predictors.base import Predictor
-    from .replay import BatchReplay
-    from .snapshot import WeightSnapshot
 
 
 class JumpLifecycle:

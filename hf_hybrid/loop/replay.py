@@ -9,12 +9,12 @@ With replay, the next real steps train on those batches first, in their original
 batch waits in a queue behind them, so the n-th real step trains on the Trainer's n-th batch. A run
 whose every jump is rejected then follows the Trainer's trajectory bit for bit, in real steps, and
 differs only in the time the attempts cost, with dropout and evaluations too: an evaluation comes after
-as many of the Trainer's updates as the Trainer's (step_veto.py), and so does its DataLoader's seed draw.
+as many of the Trainer's updates as the Trainer's (loop/step_veto.py), and so does its DataLoader's seed draw.
 
-A learning-rate trial (lr_autopilot.py) is undone the same way: the updates since its undo point are undone, and their
-batches come back first, so a run whose every raise is undone still trains on the Trainer's batches in order. A guard
-rollback is not a replay: its batches hold the trouble it caught, and are dropped (guard_loop.py); a trial that meets a
-guard event no longer replays its batches either.
+A learning-rate trial (autopilot/runner.py) is undone the same way: the updates since its undo point are undone, and
+their batches come back first, so a run whose every raise is undone still trains on the Trainer's batches in order. A
+guard rollback is not a replay: its batches hold the trouble it caught, and are dropped (guard/runner.py); a trial that
+meets a guard event no longer replays its batches either.
 
 A unit is what `Trainer.get_batch_samples` returns for one optimizer step: the micro-batches and their
 item count. A unit is only swapped for one with as many micro-batches (the last step of an epoch may be
@@ -37,7 +37,7 @@ class BatchReplay:
         self.queue: deque[Unit] = deque()
         self.open: list[Unit] | None = None  # units handed out since the open jump's snapshot
         # Units handed out since a learning-rate trial's undo point. Not checkpointed: a save asks for a new undo point
-        # at the next accepted step (guard_loop.py), which starts a new record, in a resumed run too.
+        # at the next accepted step (guard/runner.py), which starts a new record, in a resumed run too.
         self.trial: list[Unit] | None = None
         self.last: Unit | None = None  # the unit of the optimizer step under way
 

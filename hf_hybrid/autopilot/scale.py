@@ -4,7 +4,7 @@ Pure Python, like the controller: its inputs are probe losses already averaged a
 same decision, and its state is a few numbers that a checkpoint carries exactly.
 
 The evidence comes every few real steps, from one fixed probe batch at three points along the optimizer's own next
-step (step_line.py): the weights W, W + c*step and W + 2c*step. Call their losses f0, f1, f2.
+step (autopilot/line.py): the weights W, W + c*step and W + 2c*step. Call their losses f0, f1, f2.
 - `rate`: the fall of f0 since the last reading, per real step: paired (one batch), so it does not vanish into batch
   noise the way a loss slope over many batches does in low-LR fine-tuning.
 - `reach`: where a parabola through the three points bottoms out, in today's steps, times the schedule's factor (its
@@ -24,7 +24,7 @@ the trainer takes an undo point. A raise at most doubles the scale because a rea
 is, and past it the final loss rises steeply (from scratch: 4.807 at the swept LR, 5.139 at 1.33x it); the next raise
 needs the line to read long again at the new scale (the reading that asked for a raise counts there at its reach
 divided by the raise). The next reading judges the trial: the raise is undone when the raised steps did worse, on the
-probe, than the point the old scale would have reached over the same batches (trial_verdict.py), and then everything
+probe, than the point the old scale would have reached over the same batches (autopilot/verdict.py), and then everything
 goes back bit for bit (weights, optimizer state, schedule back to the undo point, the scale back to what it was), and
 the next raise waits 2, 4, ... readings; otherwise it is kept.
 Any step the guard flags starts the steady window again, and no raise starts before the STEADY_READINGS-th reading

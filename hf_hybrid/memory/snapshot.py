@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .host_buffers import HostCopies, host_like, release_cached_pinned_memory
-from .predictors.base import load_tensors, local_shard
+from .shards import load_tensors, local_shard
 
 
 class WeightSnapshot:

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from .forward_checks import probe_loss
-from .predictors.base import local_shard
+from ..loop.forward_checks import probe_loss
+from ..memory.shards import local_shard
 
 SPACING = 4.0  # c: the line is read at 0, 4 and 8 of today's steps, far enough to see a line several steps long
 # On an accelerator, elements per multi-tensor list where the largest parameter is smaller: a move's two temporaries

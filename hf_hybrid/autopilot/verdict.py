@@ -20,10 +20,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .forward_checks import probe_loss_by_sequence
-from .predict_step import paired_noise
-from .seam import HybridTrainer
-from .snapshot import TrainingSnapshot
+from ..jumps.predict_step import paired_noise
+from ..loop.forward_checks import probe_loss_by_sequence
+from ..loop.seam import HybridTrainer
+from ..memory.snapshot import TrainingSnapshot
 
 
 @torch.no_grad()

@@ -1,8 +1,8 @@
 """What the predictor learns from: each real step's measured update and, on a Correct step, the residual between
 the update the predictor would have made and the real one.
 
-`PredictorFeed` is the part of `HybridEngine` (engine.py) that measures them, around the optimizer step; the engine
-owns the predictor, the controller and the step record it reads.
+`PredictorFeed` is the part of `HybridEngine` (jumps/engine.py) that measures them, around the optimizer step; the
+engine owns the predictor, the controller and the step record it reads.
 """
 
 from __future__ import annotations

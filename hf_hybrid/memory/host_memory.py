@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 from torch import Tensor
 
-from .predictors.base import local_shard
+from .shards import local_shard
 from .snapshot import TrainingSnapshot
 
 _GB = 1e9

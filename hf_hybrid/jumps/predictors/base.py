@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ...memory.shards import local_shard
+
 # The flags of the multi-step Predict/Correct schedule and its checks, read by the predictors that run it.
 SCHEDULE_FLAGS = ("hybrid_full_steps", "hybrid_min_predict_steps", "hybrid_max_predict_steps", "hybrid_correct_steps",
                   "hybrid_confidence_threshold", "hybrid_max_consecutive_predicts", "hybrid_monitor_interval",
@@ -36,7 +38,8 @@ class Predictor(ABC):
     name: ClassVar[str]
     flags: ClassVar[tuple[str, ...]] = SCHEDULE_FLAGS  # the predictor-specific flags it reads
     uses_updates: ClassVar[bool] = True  # whether `observe` needs the real update (costs a parameter copy)
-    # Whether its jumps are gated and watched by the loss forecast (dynamics.py); one that is not never pays for it.
+    # Whether its jumps are gated and watched by the loss forecast (jumps/dynamics.py); one that is not never pays for
+    # it.
     uses_forecast: ClassVar[bool] = True
     # How many real updates right before a prediction the predictor needs (None: all of them). Outside that window
     # the engine does not measure updates at all, so a run whose jumps keep being rejected (long back-off) or a long
@@ -172,26 +175,6 @@ class StepwisePredictor(Predictor):
 
 
 @torch.no_grad()
-def load_tensors(live: list[Tensor], saved: list[Tensor], what: str) -> None:
-    """Copy a checkpoint's parameter-sized tensors into this run's buffers, refusing a layout that does not match."""
-    if len(saved) != len(live) or any(s.shape != t.shape for s, t in zip(saved, live)):
-        raise ValueError(
-            f"the checkpoint's {what} ({len(saved)} tensors) does not match this run's trainable parameters "
-            f"({len(live)} tensors, or other shapes). Resume with the model, trainable parameters and (under FSDP2) "
-            "number of ranks it was saved with, or delete the checkpoint's hybrid_*.pt files to resume without the "
-            "hybrid state."
-        )
-    for t, s in zip(live, saved):
-        t.copy_(s)
-
-
-def local_shard(t: Tensor) -> Tensor:
-    """This rank's part of a tensor: under FSDP2 a DTensor's local shard, which aliases the parameter's storage so
-    in-place work reaches it; otherwise the tensor itself. Looked up at each use rather than kept, because FSDP2 may
-    re-pad a shard into new storage at its lazy init (the first forward). Working on shards keeps every predictor
-    operation local: a reduction over a DTensor would all-gather, and element-wise DTensor ops pay sharding
-    propagation on every call."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _shard_groups(params: list[Tensor]) -> list:

@@ -4,7 +4,8 @@ This is DiLoCo with one worker, or SNOO. The pseudo-gradient g is the weights at
 now; the outer step moves the weights to anchor - outer_lr * (g + momentum * buf), with buf = momentum * buf + g, and
 that point becomes the next anchor. Over many cycles it lengthens a consistent direction by about
 outer_lr / (1 - momentum): it pays where the inner learning rate is too small and overshoots where it is tuned,
-which is why every jump is judged on the probe batch like any other (payoff.py) and rolled back when it lands worse.
+which is why every jump is judged on the probe batch like any other (jumps/payoff.py) and rolled back when it lands
+worse.
 
 The schedule is the period, not the loss forecast's confidence: one Predict step every `period` real steps, with no
 Correct steps (there is no per-step residual to learn). The Predict step runs no backward; its batch is the probe.
@@ -30,8 +31,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..host_buffers import HostCopies, host_like
-from .base import Predictor, load_tensors, local_shard
+from ...memory.host_buffers import HostCopies, host_like
+from ...memory.shards import load_tensors, local_shard
+from .base import Predictor
 
 
 class OuterMomentumPredictor(Predictor):

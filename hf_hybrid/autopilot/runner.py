@@ -1,4 +1,5 @@
-"""The learning-rate autopilot at the Trainer's loop: what `LrScale` (lr_scale.py) decides, carried out on the run.
+"""The learning-rate autopilot at the Trainer's loop: what `LrScale` (autopilot/scale.py) decides, carried out on the
+run.
 
 The scale multiplies the schedule's base learning rates, so the Trainer's `LambdaLR` keeps applying its own shape
 (warmup, decay) on top and never overwrites it; the learning rate in effect is rescaled at once. AdamW's decoupled
@@ -9,9 +10,9 @@ A raise's undo point is the guard's snapshot (weights, optimizer state, schedule
 the first accepted step after the raise and held, with no periodic replacement, until the raise is judged: a trial
 costs no memory beyond the guard's. A checkpoint saved during a trial asks for a new snapshot as always (a resumed run
 takes that one too), so the undo point moves to the save and resumed and uninterrupted runs stay bit for bit equal.
-An undone trial gives the batches since its undo point back to the data stream (replay.py), as a rolled-back jump does:
-otherwise they would be skipped, and the run would follow another data order than the Trainer's (measured on cpu-lora,
-seed 1: a run whose one raise was undone and whose jumps were all rejected ended 0.0015 above the Trainer).
+An undone trial gives the batches since its undo point back to the data stream (loop/replay.py), as a rolled-back jump
+does: otherwise they would be skipped, and the run would follow another data order than the Trainer's (measured on
+cpu-lora, seed 1: a run whose one raise was undone and whose jumps were all rejected ended 0.0015 above the Trainer).
 """
 
 from __future__ import annotations
@@ -21,12 +22,11 @@ import time
 import torch
 from transformers.utils import logging
 
-from .config import lr_autopilot_missing
-from .guard_loop import GuardAtLoop
-from .lr_scale import LrScale
-from .seam import HybridTrainer
-from .step_line import SPACING, adam_family, next_step_line
-from .trial_verdict import raise_gain
+from ..guard.runner import GuardAtLoop
+from ..loop.seam import HybridTrainer
+from .line import SPACING, adam_family, next_step_line
+from .scale import LrScale
+from .verdict import raise_gain
 
 logger = logging.get_logger(__name__)
 
@@ -44,6 +44,16 @@ READ_EVERY = 10
 # at step 20 and 4.3-5.3 at 25, then 0-1.9 from step 30 (seeds 0-2); a raise at step 21 ended 0.28 above the
 # Trainer (docs/benchmarks.md).
 FIRST_DESCENT_STEPS = 10
+
+
+def lr_autopilot_missing(settings) -> list[str] | None:
+    """What the learning-rate autopilot asked for by the flags lacks to run: None when it is not asked for, else the
+    list (empty: it runs)."""
+    if not (settings.hybrid and settings.hybrid_lr_autopilot):
+        return None
+    snapshots = settings.hybrid_guard and settings.hybrid_guard_snapshot_steps > 0
+    return [] if snapshots else ["the guard's snapshots (the undo point): --hybrid_guard and "
+                                 "--hybrid_guard_snapshot_steps > 0"]
 
 
 def scalable_schedule(trainer) -> bool:
@@ -169,11 +179,11 @@ class LrAutopilot:
         return time.perf_counter()
 
     def _raise_paid(self) -> bool:
-        """The verdict on the raise under trial (trial_verdict.py): undone when its steps did worse than the user's LR
-        would have by more than the jumps' noise margin; an even result keeps it. Unlike a jump, a raise was asked for
-        by evidence of its own (a line at least twice as long as the steps it aims for), and what it is worth accrues
-        over hundreds of steps: on cpu-lora at a fifth of the swept LR the swept LR's lead on the probe grew by 0.0027
-        per 10 steps on average, against a noise of 0.02 on one trial's verdict, so a verdict that asked
+        """The verdict on the raise under trial (autopilot/verdict.py): undone when its steps did worse than the user's
+        LR would have by more than the jumps' noise margin; an even result keeps it. Unlike a jump, a raise was asked
+        for by evidence of its own (a line at least twice as long as the steps it aims for), and what it is worth
+        accrues over hundreds of steps: on cpu-lora at a fifth of the swept LR the swept LR's lead on the probe grew by
+        0.0027 per 10 steps on average, against a noise of 0.02 on one trial's verdict, so a verdict that asked
         the trial to prove its gain would undo every raise there. An overshoot shows at once. With no undo point to
         compare against (a trial whose steps the guard all vetoed), the raise cannot be judged and is undone."""
         trainer = self.trainer
@@ -238,7 +248,7 @@ def build_autopilot(trainer: HybridTrainer, guard_loop: GuardAtLoop | None, save
     if not scalable_schedule(trainer):
         missing.append("a schedule that scales with its base learning rate (not reduce_lr_on_plateau)")
     if not adam_family(trainer.optimizer):
-        missing.append("an Adam-family optimizer, whose next step it reads (step_line.py)")
+        missing.append("an Adam-family optimizer, whose next step it reads (autopilot/line.py)")
     if missing:
         if trainer.is_world_process_zero():
             logger.warning(f"hf_hybrid: the learning-rate autopilot is off for this run: it needs "

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .base import StepwisePredictor, load_tensors, local_shard
+from ...memory.shards import load_tensors, local_shard
+from .base import StepwisePredictor
 
 
 class VelocityPredictor(StepwisePredictor):

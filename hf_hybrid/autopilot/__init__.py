@@ -1,0 +1,3 @@
+"""The learning-rate autopilot: one judged multiplier on the user's schedule. `line.py` reads the evidence (the probe's
+loss along the optimizer's next step); `scale.py` decides (pure Python); `verdict.py` judges a raise on trial against
+the user's LR; `runner.py` carries it out at the Trainer's loop."""

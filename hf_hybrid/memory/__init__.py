@@ -1,0 +1,3 @@
+"""Where the hybrid's state lives and what it costs: bit-exact snapshots (`snapshot.py`), pinned host buffers
+(`host_buffers.py`), each rank's shard of a parameter (`shards.py`), host memory against the machine
+(`host_memory.py`) and GPU memory (`vram.py`)."""
