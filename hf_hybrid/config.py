@@ -65,7 +65,7 @@ class HybridTrainingArguments(TrainingArguments):
             Raise the learning rate when a probe along the optimizer's next step (three forwards, every 10 real steps,
             the gap doubling while it reads no line a step long) shows the steps are too short: one multiplier on the
             whole schedule (logged as `hybrid/lr_scale`), sized to the readings (two in a row 4 or more steps long, or
-            three in a row whose median is 1 step or more), up to 2x at a time and 10x in all, never below the user's.
+            three in a row whose median is 1 step or more), up to 2x at a time and 32x in all, never below the user's.
             Each raise is judged at the next reading, on the probe, against the point the user's LR would have reached
             over the same batches (two forwards), and undone bit for bit (to the guard's snapshot) when it did worse by
             more than `hybrid_probe_noise_margin`; no raise in the schedule's warmup, the 10 steps after it, its final

@@ -115,7 +115,7 @@ def test_a_raise_whose_steps_do_not_pay_is_undone_and_the_next_waits():
 def test_the_scale_is_bounded_and_frozen_in_the_decay_and_the_warmup_does_not_count():
     s = LrScale()
     read(s, 5.0, bottom=100.0)
-    for i, scale in enumerate((2.0, 4.0, 8.0, 10.0)):  # max_raise, then max_scale
+    for i, scale in enumerate((2.0, 4.0, 8.0, 16.0, 32.0)):  # a doubling at a time, up to MAX_SCALE
         s.trial_from = None
         assert read(s, 4.9 - i / 10, bottom=100.0) == "raise" and s.scale == scale
     s.trial_from = None
