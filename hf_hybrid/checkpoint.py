@@ -17,6 +17,9 @@ HYBRID_STATE_NAME = "hybrid_state_rank{rank}.pt"
 HYBRID_TENSORS_NAME = "hybrid_tensors.pt"
 HYBRID_TENSOR_SHARDS_NAME = "hybrid_tensors_rank{rank}.pt"
 TENSOR_KEYS = ("predictor", "snapshot")  # the engine state's parameter-sized parts
+# The layout of the hybrid state. Raised with any change to what a part saves, so that a checkpoint of another
+# layout is refused by name instead of loaded with defaults guessed for what it lacks.
+FORMAT_VERSION = 1
 
 
 def save_hybrid_state(output_dir: str, rank: int, state: dict, sharded: bool, writes_replicated: bool) -> None:
@@ -25,7 +28,7 @@ def save_hybrid_state(output_dir: str, rank: int, state: dict, sharded: bool, wr
     # Every rank writes here, and the Trainer may not have made the folder yet on this one: under DDP, rank 1 got
     # "Parent directory checkpoint-10 does not exist" (tests/test_ddp.py).
     os.makedirs(output_dir, exist_ok=True)
-    state = dict(state)
+    state = dict(state, format_version=FORMAT_VERSION)
     tensors = {key: state.pop(key) for key in TENSOR_KEYS}
     torch.save(state, os.path.join(output_dir, HYBRID_STATE_NAME.format(rank=rank)))
     if sharded:
@@ -44,7 +47,14 @@ def find_hybrid_state(checkpoint: str, rank: int) -> dict | None:
     if not os.path.isfile(path):
         return None
     state = load_hybrid_state(path)
-    # Checkpoints written before the split hold the tensors in the rank's own file.
+    if state.get("format_version") != FORMAT_VERSION:
+        raise ValueError(
+            f"{path} holds hybrid state of layout {state.get('format_version', 'unversioned')}, and this hf_hybrid "
+            f"reads layout {FORMAT_VERSION}. Resume with the hf_hybrid that wrote it, or delete the checkpoint's "
+            "hybrid_*.pt files to resume without the hybrid state (the weights, optimizer and schedule resume as the "
+            "Trainer's)."
+        )
+    # The parameter-sized tensors: this rank's shards (FSDP2), or the one copy every rank shares.
     for name in (HYBRID_TENSOR_SHARDS_NAME.format(rank=rank), HYBRID_TENSORS_NAME):
         tensors = os.path.join(checkpoint, name)
         if os.path.isfile(tensors):

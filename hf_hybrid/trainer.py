@@ -228,7 +228,7 @@ class HybridMixin:
         # is touched, so a setup error (no trainable parameter, an optimizer the predictor can't read) leaves none.
         self._hybrid = self._build_engine()
         saved = self._hybrid_pending_state or {}
-        # "guard" is absent from checkpoints written before the guard, or by a run without it.
+        # A run without the guard saved no "guard" state.
         self._guard_loop = GuardAtLoop(self, saved.get("guard")) if self.hybrid_settings.hybrid_guard else None
         self._lr_autopilot = build_autopilot(self, self._guard_loop, saved.get("lr_autopilot"))
         self._hybrid_pending_state = None

@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from presets import DEMO_RECORDED_REGIME, DEMO_SWEPT_REPORT, PRESETS, TUNED_HOST_ALLOCATOR  # noqa: E402
+from presets import DEMO_SWEPT_REPORT, PRESETS, TUNED_HOST_ALLOCATOR  # noqa: E402
 
 if __name__ == "__main__" and any(os.environ.get(k) != v for k, v in TUNED_HOST_ALLOCATOR.items()):
     # glibc reads these at start-up only; as in the benchmark, they keep it from mapping and unmapping the large
@@ -35,7 +35,9 @@ if __name__ == "__main__" and any(os.environ.get(k) != v for k, v in TUNED_HOST_
     os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **TUNED_HOST_ALLOCATOR})
 
 import faults  # noqa: E402
+from environment import environment  # noqa: E402
 from model_and_data import build_model_and_data  # noqa: E402
+from render_readme import NOT_MEASURED, current, rows  # noqa: E402
 from report import UPDATES, time_to  # noqa: E402
 from timing import spent_updates  # noqa: E402
 
@@ -144,7 +146,8 @@ def run_speed(preset: dict, seed: int, out: Path, progress) -> dict:
     update_speedup = updates["baseline"] / updates["hybrid"] if updates["hybrid"] else None
     report = {"seed": seed, "learning_rate": lr, "swept_learning_rate": preset["learning_rate"], "target": target,
               "time_to_target": times, "speedup": speedup, "updates_to_target": updates,
-              "update_speedup": update_speedup, "arms": arms}
+              "update_speedup": update_speedup, "arms": arms, "environment": environment(),
+              "command": " ".join(["python", "scripts/demo.py", *sys.argv[1:]])}
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(report, indent=2))
     return report
@@ -201,7 +204,8 @@ def summary(faults_report: dict, speed: dict, swept: dict | None, out: Path, sec
                  f"{stats['lr_raises_kept']} raises kept, {stats['lr_trials_undone']} undone)")
     if swept is not None:
         lines.append(f"  at the swept LR (recorded: {swept['path']}): {swept['result']}")
-        lines.append(f"  recorded in fine-tuning ({DEMO_RECORDED_REGIME[0]}): {DEMO_RECORDED_REGIME[1]}")
+    if (finetune := recorded_finetune()) is not None:
+        lines.append(f"  recorded, fine-tuning at 5e-5 ({finetune})")
     lines += [
         "",
         f"REPORTS {out / 'faults' / 'report.json'}, {out / 'speed' / 'report.json'}",
@@ -231,14 +235,27 @@ def plot_speed(out: Path, speed: dict) -> None:
 
 
 def recorded_swept_result(preset_name: str) -> dict | None:
-    """The speed A/B at the swept LR, as recorded by `python scripts/demo.py --lr_scale 1 --skip_faults`."""
+    """The speed A/B at the swept LR, as recorded by `python scripts/demo.py --lr_scale 1 --skip_faults`, where it
+    was measured at the library's current behaviour (render_readme.current): an older record is not quoted."""
     path = ROOT / DEMO_SWEPT_REPORT
     if preset_name != "demo" or not path.exists():
         return None
     report = json.loads(path.read_text())
+    if not current(report):
+        return None
     stats = report["arms"]["hybrid"]["hybrid_stats"]
     return {"path": DEMO_SWEPT_REPORT, "result": f"{_speedup(report)}; {stats['predictions_kept']} of "
             f"{stats['predictions_judged']} jumps kept, retired: {stats['retired']}"}
+
+
+def recorded_finetune() -> str | None:
+    """The survey's fine-tune at `TrainingArguments`' 5e-5 as the README's table renders it from its current reports
+    (scripts/render_readme.py), with those reports named; None where none is current."""
+    for row in rows():
+        if row.cells[0].startswith("`finetune-docs-linear`") and NOT_MEASURED not in row.cells[1]:
+            sources = ", ".join(str(path.relative_to(ROOT)) for path in row.sources[:1])
+            return f"{sources}: Trainer {row.cells[1]}; hybrid {row.cells[2]}; best peer {row.cells[3]}"
+    return None
 
 
 def main() -> None:

@@ -19,7 +19,7 @@
 - `split` gives the tied embedding / LM head (most of this model's compute) no weight gradient on every
   `--split_every`-th step and predicts or skips its update, timed side by side with a plain loop.
 
-The numbers are in docs/benchmarks.md; nothing here is part of the library.
+The numbers are in docs/benchmarks-history.md; nothing here is part of the library.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ PRESETS = {
         model=dict(n_layer=2, n_embd=128, n_head=4, n_positions=64),
         block_size=64, batch_size=8, grad_accum=1, max_steps=300, eval_steps=30, eval_blocks=128,
         learning_rate=2e-3, warmup_steps=20, weight_decay=0.1, optim="adamw_torch", bf16=False,
-        # The library's default schedule (warmup 100, Full 20); runs 5 and 7 in docs/benchmarks.md compare it with
-        # an earlier one (40, 10) that attempted jumps more often.
+        # The library's default schedule (warmup 100, Full 20); runs 5 and 7 in docs/benchmarks-history.md compare it
+        # with an earlier one (40, 10) that attempted jumps more often.
         hybrid=dict(hybrid_max_predict_steps=8, hybrid_min_predict_steps=2, hybrid_correct_steps=2,
                     hybrid_confidence_threshold=0.5, hybrid_monitor_interval=4),
     ),
@@ -42,7 +42,7 @@ PRESETS = {
 
 # The fine-tuning regimes: the cpu-small GPT-2, pretrained on the shipped Shakespeare by the project's own recipe (run
 # on first use, then kept as a checkpoint), fine-tuned on the shipped transformers docstrings with the Trainer's default
-# linear decay. Learning rates: the sweeps in docs/benchmarks.md. The hybrid runs the library's defaults.
+# linear decay. Learning rates: the sweeps in docs/benchmarks-history.md. The hybrid runs the library's defaults.
 FINETUNE = dict(
     pretrained="runs/pretrained/gpt2-cpu-shakespeare", pretrain_recipe="recipes/configs/gpt2-cpu-pretrain.yaml",
     corpus="transformers-docs", block_size=64, batch_size=8, grad_accum=1, max_steps=400, eval_steps=40,
@@ -106,13 +106,7 @@ PRESETS["demo"] = dict(
     block_size=64, batch_size=8, grad_accum=1, max_steps=150, eval_steps=25, eval_blocks=64,
     learning_rate=6e-3, warmup_steps=10, weight_decay=0.1, optim="adamw_torch", bf16=False,
     hybrid=dict(hybrid_warmup_steps=50),
-)  # learning_rate: swept in docs/benchmarks.md, run 56
+)  # learning_rate: swept in docs/benchmarks-history.md, run 56
 DEMO_SWEPT_REPORT = "docs/demo-speed-swept-lr.json"  # the demo's speed A/B at the swept LR, quoted on its screen
-# Full fine-tuning below the swept LR, with the autopilot: too long to run in the demo (its checkpoint takes 6 minutes
-# to make).
-DEMO_RECORDED_REGIME = ("docs/benchmarks.md, runs 201-206 and 217-219", "full fine-tuning (cpu-finetune) at "
-                        "6e-4, a fifth of the swept 3e-3: the autopilot raised it 4x; 2.56x median in updates over 3 "
-                        "seeds; at a twentieth, 5.05x; LoRA at a fifth, 2.01x")
-
 # The LR autopilot's survey, split into a tuning half and a report half (survey_settings.py, scripts/survey.py).
 PRESETS.update({f"survey-{name}": setting for name, setting in survey_settings(FINETUNE).items()})

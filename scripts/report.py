@@ -166,8 +166,8 @@ def print_table(report: dict) -> None:
         return statistics.median(values) if values else None
 
     # On a CPU, the arms' peak RSS under their allocator settings (no trim, no mmap: benchmark.py), which keep freed
-    # heap: the same Trainer run peaked at 1818 MB with them and 1018 MB without (runs 239-240 in docs/benchmarks.md).
-    # What the hybrid adds is scripts/memory_budget.py's to measure.
+    # heap: the same Trainer run peaked at 1818 MB with them and 1018 MB without (runs 239-240 in
+    # docs/benchmarks-history.md). What the hybrid adds is scripts/memory_budget.py's to measure.
     memory_label = "peak device memory (MB)" if report["baseline"][0]["cuda"] else "peak RSS, untrimmed heap (MB)"
     rows = [
         ("train wall time (s, median)", med("baseline", "train_seconds"), med("hybrid", "train_seconds"), ".1f"),

@@ -268,8 +268,8 @@ def test_after_rejected_jumps_and_readings_training_is_the_trainers_bit_for_bit(
     """The CPU suite's rejected-jumps test (test_safety.py) through the GPU's own paths: the outer state and the
     guard's snapshot in pinned host memory with asynchronous copies, the CUDA dropout RNG, bf16 autocast, fused AdamW,
     and the autopilot's readings (never a raise here). GPT-2 124M on one GPU ended its one pair 0.025-0.05 above its
-    Trainer, within what two plain runs there differ (docs/benchmarks.md, run 124): this settles whether any of it is
-    the hybrid's."""
+    Trainer, within what two plain runs there differ (docs/benchmarks-history.md, run 124): this settles whether any of
+    it is the hybrid's."""
     settings = dict(max_steps=100, lr_scheduler_type="linear", optim=optim, weight_decay=0.1, bf16=True,
                     full_determinism=True, **ON_GPU)
     plain = WeightsPerStep()

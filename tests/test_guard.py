@@ -13,8 +13,9 @@ from safetensors.torch import load_file
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from hf_hybrid import HybridHFTrainer
+from hf_hybrid.checkpoint import find_hybrid_state, load_hybrid_state
 from hf_hybrid.guard.rules import Action, StepGuard
-from hf_hybrid.trainer import GuardStoppedError, load_hybrid_state
+from hf_hybrid.trainer import GuardStoppedError
 
 from .conftest import flat_params, hybrid_args, tiny_gpt2, token_dataset
 
@@ -269,3 +270,13 @@ def test_a_checkpoint_holding_a_pickled_object_is_refused(tmp_path):
     torch.save({"controller": {}, "payload": Path("/tmp")}, path)  # any class instance, not plain data
     with pytest.raises(ValueError, match="holds objects other than tensors and plain Python types"):
         load_hybrid_state(str(path))
+
+
+def test_a_checkpoint_of_another_layout_is_refused_by_name(tmp_path):
+    """A part's state loads with no default guessed for a key it lacks: a hybrid state of another layout is refused,
+    with the way out, before any part reads it."""
+    (tmp_path / "checkpoint-5").mkdir()
+    torch.save({"controller": {}}, tmp_path / "checkpoint-5" / "hybrid_state_rank0.pt")  # no format_version
+    with pytest.raises(ValueError, match=r"layout unversioned, and this hf_hybrid reads layout 1\. .*delete the "
+                                         r"checkpoint's hybrid_\*\.pt files"):
+        find_hybrid_state(str(tmp_path / "checkpoint-5"), 0)

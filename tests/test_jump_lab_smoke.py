@@ -1,4 +1,4 @@
-"""The offline jump experiments end to end on the smoke preset (the measurements are in docs/benchmarks.md)."""
+"""The offline jump experiments end to end on the smoke preset (the measurements are in docs/benchmarks-history.md)."""
 
 from __future__ import annotations
 

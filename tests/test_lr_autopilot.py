@@ -62,10 +62,11 @@ def test_a_raise_needs_a_long_line_twice_and_progress_and_is_kept_when_its_steps
 
 
 def test_from_scratch_near_the_swept_lr_a_first_descent_reading_raises_no_further_than_the_best_lr():
-    """The lines read by survey-scratch-2x128-docs-constant (seed 0, docs/benchmarks.md, session 33) with no raise
-    made, one reading every 10 steps from the first one a raise may start at. Its Trainer ends at 4.901 at 1e-3, 4.780
-    at 2e-3, 4.807 at 3e-3 and 5.139 at 4e-3: a 4x raise on the first reading at 1e-3 led at step 40 and ended 0.054
-    above the Trainer. Now 1e-3 doubles once, at the third reading, on the steady median, and 2e-3 never raises."""
+    """The lines read by survey-scratch-2x128-docs-constant (seed 0, docs/benchmarks-history.md, session 33) with no
+    raise made, one reading every 10 steps from the first one a raise may start at. Its Trainer ends at 4.901 at 1e-3,
+    4.780 at 2e-3, 4.807 at 3e-3 and 5.139 at 4e-3: a 4x raise on the first reading at 1e-3 led at step 40 and ended
+    0.054 above the Trainer. Now 1e-3 doubles once, at the third reading, on the steady median, and 2e-3 never
+    raises."""
     def decisions(reaches: list[float]) -> list[str | None]:
         s = LrScale()
         read(s, 6.0, bottom=30.0, frozen=True)  # the reading as the first descent ends: a rate, no evidence
@@ -95,10 +96,9 @@ def test_a_steady_line_raises_where_one_long_reading_among_short_ones_does_not()
     for i in range(3):
         assert read(frozen, 5.0 - i / 10, bottom=1.5, frozen=True) is None
     assert read(frozen, 4.6, bottom=1.5) is None and frozen.recent == pytest.approx((1.5,), rel=1e-4)
-    saved = frozen.state_dict()
-    del saved["recent"]  # a checkpoint written before the steady reach
-    frozen.load_state_dict(saved)
-    assert frozen.recent == ()
+    resumed = LrScale()
+    resumed.load_state_dict(frozen.state_dict())
+    assert resumed == frozen  # the steady window resumes where it was
 
 
 def test_a_raise_whose_steps_do_not_pay_is_undone_and_the_next_waits():
@@ -502,10 +502,9 @@ def test_a_short_line_holds_the_jumps_back_and_a_longer_one_lets_them_through():
     assert s.steps_long_enough  # the steps reach the line's bottom already
     read(s, 4.9, bottom=3.0)  # under the raise gate, over the aim
     assert not s.steps_long_enough and s.scale == 1.0
-    saved = s.state_dict()
-    del saved["last_reach"]  # a checkpoint written before the hold
-    s.load_state_dict(saved)
-    assert s.last_reach is None
+    resumed = LrScale()
+    resumed.load_state_dict(s.state_dict())
+    assert not resumed.steps_long_enough and resumed == s
 
 
 HELD = dict(OUTER, max_steps=80, hybrid_warmup_steps=12, lr_scheduler_type="constant")

@@ -5,7 +5,7 @@ W + c*step and W + 2c*step puts a parabola along it; where it bottoms out, in st
 the current direction is worth. At a fixed point that number scales as 1 / lr (the step is proportional to the LR,
 the curvature it meets to its square), so it reads the LR itself, where the line an outer cycle travelled does not:
 measured on cpu-finetune from step 60, a parabola bottom at 0-0.5 steps at the swept LR and 10-270 steps at a
-twentieth of it (docs/benchmarks.md).
+twentieth of it (docs/benchmarks-history.md).
 
 Three forwards, two moves along the step and one copy of the weights (the jump's undo copy, which exists only while
 it is in use), made after the optimizer step, when the gradients it stands in for are freed; the weights come back
@@ -94,7 +94,7 @@ def _same_step_chunks(sizes: list[int], steps: list[float], bound: int) -> list[
 @torch.no_grad()
 def next_step_line(trainer, model: torch.nn.Module, engine, probe: dict) -> list[torch.Tensor]:
     """The probe's loss at the weights W, at W + c*step and at W + 2c*step (c = SPACING), unreduced across ranks."""
-    shards = engine._shards()
+    shards = engine.shards()
     engine.snapshot.capture(shards)  # the jump's undo copy, free outside a jump
     optimizer = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
     step_groups = _step_groups(optimizer, lists=shards[0].device.type != "cpu")

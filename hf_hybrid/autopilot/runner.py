@@ -35,14 +35,14 @@ logger = logging.get_logger(__name__)
 # A reading costs three forwards (1.2-2.7 steps on a CPU; 68-117 ms against a 44 ms step at GPT-2 124M on a GPU), so
 # one that asks for nothing and leaves no steady reach within reach doubles the gap, without a bound: a tuned run
 # reads about log2(steps) times. Capped at 80 steps, the readings took 4.4% of a 600-step GPT-2 124M run on a GPU that
-# never raised (docs/benchmarks.md), and would take 2-3% of any longer one. Lines of 0-1 steps (tuned runs)
+# never raised (docs/benchmarks-history.md), and would take 2-3% of any longer one. Lines of 0-1 steps (tuned runs)
 # count as no line. The late raises on record in tuned runs (a steady reach at cpu-small's own LR) were undone by
 # their verdicts. The end line says what the readings cost.
 READ_EVERY = 10
 # No raise starts in the first steps after the schedule's warmup either: a run from scratch is still in its first
 # descent there, which reads long at any LR. On cpu-small (20 warmup steps) at its own LR the line read 8.2-8.6 steps
 # at step 20 and 4.3-5.3 at 25, then 0-1.9 from step 30 (seeds 0-2); a raise at step 21 ended 0.28 above the
-# Trainer (docs/benchmarks.md).
+# Trainer (docs/benchmarks-history.md).
 FIRST_DESCENT_STEPS = 10
 
 

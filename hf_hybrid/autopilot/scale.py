@@ -30,15 +30,15 @@ the next raise waits 2, 4, ... readings; otherwise it is kept.
 Any step the guard flags starts the steady window again, and no raise starts before the STEADY_READINGS-th reading
 after it: readings on either side of bad data are not one steady run. In a faulted run at the swept LR, a median of
 1.55 over readings that straddled a rollback and a NaN step raised the LR 3.1x, and the verdict kept it at a gain of
--0.048 (1.6 SE, inside the margin); the run ended 0.054 above its clean Trainer (docs/benchmarks.md).
+-0.048 (1.6 SE, inside the margin); the run ended 0.054 above its clean Trainer (docs/benchmarks-history.md).
 A guard rollback (the weights were damaged) also ends a trial and lowers a raised scale. The scale never goes below
 the user's LR: a run too fast for its data is the guard's to catch.
 The same reading holds the jumps back: a reach under TARGET_REACH says today's steps already go as far as the line
 runs, where a jump, which extends the path the steps took, has not been worth keeping (at the swept LR and at 3x it,
 every jump came after such a reading, and the kept ones ended runs above the Trainer as often as below it; runs
-128-137 in docs/benchmarks.md). Until the next reading, the trainer's predictor passes its turn instead of jumping.
-No raise starts in the schedule's warmup or the 10 steps after it (a run's first descent reads long at any LR), or
-once it has decayed below half its peak (the final decay is the user's), or where the run would end before its
+128-137 in docs/benchmarks-history.md). Until the next reading, the trainer's predictor passes its turn instead of
+jumping. No raise starts in the schedule's warmup or the 10 steps after it (a run's first descent reads long at any LR),
+or once it has decayed below half its peak (the final decay is the user's), or where the run would end before its
 verdict.
 """
 
@@ -59,7 +59,7 @@ def reach_of_line(f0: float, f1: float, f2: float) -> float:
     return descent / curvature if curvature > 0 else math.inf
 
 
-# A fine-tune at TrainingArguments' 5e-5 can sit 30x below its best LR (docs/benchmarks.md: the cap).
+# A fine-tune at TrainingArguments' 5e-5 can sit 30x below its best LR (docs/benchmarks-history.md: the cap).
 MAX_SCALE = 32.0
 MAX_RAISE = 2.0
 RAISE_REACH = 4.0  # a next step worth this many of today's (at the schedule's peak), twice in a row, asks for a raise
@@ -176,5 +176,5 @@ class LrScale:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     def load_state_dict(self, state: dict) -> None:
-        for f in fields(self):  # `readings`, `last_reach` and `recent` are absent from checkpoints written before them
-            setattr(self, f.name, state.get(f.name, f.default))
+        for f in fields(self):
+            setattr(self, f.name, state[f.name])

@@ -4,12 +4,12 @@ The raise's undo point W0 (the guard's snapshot) and the weights now, W, span th
 steps, weight decay included, are proportional to the learning rate, so over the same batches the user's LR would have
 gone about 1/r of the way (r: the raise), to W0 + (W - W0) / r. The probe batch is read at both points, paired by
 sequence; the raise is undone when W is worse than that point by more than the noise margin of the jumps' probe
-(`LrAutopilot._raise_paid` says why an even result keeps it).
+(`LrAutopilot` says, where it asks for the verdict, why an even result keeps it).
 
 That is a counterfactual on the same batches. The probe's progress per step under the raise, against its progress
 before the raise, would not do: early in a run that falls several times over whatever the LR (cpu-lora at a fifth of
 the swept LR, plain Trainer: 0.0164 per step over steps 20-40, 0.0027 over 40-60), so a raise that paid would be
-undone (docs/benchmarks.md).
+undone (docs/benchmarks-history.md).
 
 Two forwards and one copy of the weights (the jump's undo copy, free outside a jump), once per trial; under DDP the
 undo point's weights are broadcast from rank 0, which alone keeps them.
@@ -46,7 +46,7 @@ def raise_gain(trainer: HybridTrainer, model: torch.nn.Module, engine, probe: di
                raise_: float) -> tuple[float, float]:
     """The probe's loss where the user's LR would have taken the weights, minus its loss at the raised weights
     (positive: the raise paid), and the standard error of that difference; both over every rank's probe."""
-    shards = engine._shards()
+    shards = engine.shards()
     engine.snapshot.capture(shards)  # the jump's undo copy, free outside a jump
     raised, raised_rows = probe_loss_by_sequence(trainer, model, probe)
     _move_toward_undo_point(shards, undo_point, raise_)

@@ -9,7 +9,7 @@ when its loss or gradient norm is not finite, or when either lies more than `thr
 that falls faster than usual is good news. Detection starts once the window is half full; non-finite
 values are caught from the first step. A large finite gradient norm counts only when the Trainer does not
 clip gradients (`max_grad_norm` 0): clipping already bounds what such a step feeds the optimizer, and the
-plain Trainer rides it out. Measured on cpu-long (docs/benchmarks.md): at the end of the LR warmup
+plain Trainer rides it out. Measured on cpu-long (docs/benchmarks-history.md): at the end of the LR warmup
 the gradient norm jumped 10-20x for 13 steps while the loss stayed in range; the clipped Trainer's loss was
 back within a step, and the guard's reaction (a rollback of 37 good updates, or 13 dropped batches) only
 changed the run.

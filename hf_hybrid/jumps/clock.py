@@ -3,7 +3,7 @@
 The payoff check decides on a cost clock (jumps/payoff.py: a real step costs 1, a forward `--hybrid_predict_step_cost`),
 so that every rank and a resumed run decide alike. The clock counts forwards, not copies: on a GPU a jump also moves the
 outer state over the host link, and at GPT-2 124M on an H200 one took about 2 real steps where the clock charged 0.7
-(docs/benchmarks.md). Such a check keeps jumps that gain less than they cost. This clock times the run's
+(docs/benchmarks-history.md). Such a check keeps jumps that gain less than they cost. This clock times the run's
 own steps, decides nothing, and at the end says in one line when the jumps cost well over their charge, with the flag
 value that would charge what they cost.
 """

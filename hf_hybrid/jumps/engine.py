@@ -206,7 +206,7 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
         self.last_record, self.record = record, None
         return self.controller.phase
 
-    def _shards(self) -> list[Tensor]:
+    def shards(self) -> list[Tensor]:
         """The parameters' local shards (the parameters themselves without FSDP2): everything the engine does to
         weights is element-wise on these, so it needs no communication."""
         return [local_shard(p) for p in self.params]
@@ -270,19 +270,17 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
         self.payoff.load_state_dict(state["payoff"])
         self.dynamics.load_state_dict(state["dynamics"])
         self.predictor.load_state_dict(state["predictor"])
-        self.snapshot.load_state_dict(state["snapshot"], self._shards())
+        self.snapshot.load_state_dict(state["snapshot"], self.shards())
         device = self.params[0].device
-        if "replay" in state:  # absent from checkpoints written before replay existed
-            self.replay.load_state_dict(state["replay"], device)
-        self.epoch_seed.load_state_dict(state.get("epoch_seed"), self.replay.queue)
+        self.replay.load_state_dict(state["replay"], device)
+        self.epoch_seed.load_state_dict(state["epoch_seed"], self.replay.queue)
         self.load_probe_state(state, device)
         self.skipped_steps = state["skipped_steps"]
-        # Absent from checkpoints written before rolled-back steps were made up.
-        self.jump_start_step = state.get("jump_start_step")
-        self.schedule_at_jump = state.get("schedule_at_jump")
-        self.undone_steps = state.get("undone_steps", 0)
-        self.made_up_steps = state.get("made_up_steps", self.undone_steps)
-        self.evaluated_count = state.get("evaluated_count")
+        self.jump_start_step = state["jump_start_step"]
+        self.schedule_at_jump = state["schedule_at_jump"]
+        self.undone_steps = state["undone_steps"]
+        self.made_up_steps = state["made_up_steps"]
+        self.evaluated_count = state["evaluated_count"]
         self._measured_last = state["measured_last"]
         self.confidence = state["confidence"]
         self.band = tuple(state["band"])

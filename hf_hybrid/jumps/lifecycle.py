@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 class JumpLifecycle:
     """Open, watch, judge and undo a Predict phase. Mixed into `HybridEngine`; what it uses of the engine is
-    declared below (`_shards()` and `_release()` too)."""
+    declared below (`shards()` and `_release()` too)."""
 
     settings: object  # the hybrid_* flags
     controller: PhaseController
@@ -47,7 +47,7 @@ class JumpLifecycle:
 
     def open_jump(self, step: int) -> None:
         """At a Predict phase's first step: keep what is needed to undo it."""
-        self.snapshot.capture(self._shards())
+        self.snapshot.capture(self.shards())
         self.jump_start_step = step
         self.payoff.begin_prediction()
         # Predicted step k checks the weights after k+1 deltas, about k+2 real steps after the last loss seen. Without
@@ -124,7 +124,7 @@ class JumpLifecycle:
     def rollback(self) -> None:
         """Undo the Predict phase: last good weights, back to Full."""
         if self.snapshot.valid:
-            self.snapshot.restore(self._shards())
+            self.snapshot.restore(self.shards())
             self.snapshot.release()
             self.predictor.jump_undone()
         self.payoff.cancel()
@@ -143,7 +143,7 @@ class JumpLifecycle:
     def finish(self) -> None:
         """At the end of training: a jump still awaiting its probe verdict is undone."""
         if self.probe is not None and self.snapshot.valid:
-            self.snapshot.restore(self._shards())
+            self.snapshot.restore(self.shards())
             self.snapshot.release()
             self._drop_probe()
 
@@ -156,7 +156,7 @@ class JumpLifecycle:
     def load_probe_state(self, state: dict, device: torch.device) -> None:
         self.probe = {k: v.to(device) for k, v in state["probe"].items()} if state["probe"] is not None else None
         self.probe_loss = state["probe_loss"]
-        rows = state.get("probe_rows")  # absent from checkpoints written before the noise margin
+        rows = state["probe_rows"]
         self.probe_rows = rows.to(device) if rows is not None else None
 
     def _drop_probe(self) -> None:

@@ -16,7 +16,7 @@ noise that swamps a comparison of different batches' losses.
 The prediction pays when that gain is at least what plain training would have made for the phase's cost, by
 `noise_margin` standard errors of the gain: one batch is a sample of sequences, and a gain that a few of them carry
 is noise (measured on cpu-lora at 3x the swept LR: a jump kept on a gain of 0.0035 with a standard error of 0.0029,
-up on 4 of its 8 sequences, ended 0.0044 above the Trainer; docs/benchmarks.md).
+up on 4 of its 8 sequences, ended 0.0044 above the Trainer; docs/benchmarks-history.md).
 """
 
 from __future__ import annotations
@@ -110,6 +110,5 @@ class PayoffMeter:
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        self.kept_gain = self.kept_worth = self.last_noise = 0.0  # absent from checkpoints written before them
         for key, value in state.items():
             setattr(self, key, deque(tuple(p) for p in value) if key == "history" else value)

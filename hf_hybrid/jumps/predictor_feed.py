@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 class PredictorFeed:
     """Measure real updates for the predictor. Mixed into `HybridEngine`; what it uses of the engine is declared
-    below (`_shards()` too)."""
+    below (`shards()` too)."""
 
     predictor: Predictor
     controller: PhaseController
@@ -41,7 +41,7 @@ class PredictorFeed:
             return
         if not self._measured_last:
             self.predictor.restart()
-        shards = self._shards()
+        shards = self.shards()
         if self._anchor is None:
             self._anchor = [torch.empty_like(p) for p in shards]
         # One multi-tensor kernel per group instead of a launch per parameter: on a GPU, launches dominate.
@@ -70,7 +70,7 @@ class PredictorFeed:
             return
         updates = self._anchor
         torch._foreach_neg_(updates)
-        torch._foreach_add_(updates, self._shards())  # in place: the anchor buffer now holds (after - before)
+        torch._foreach_add_(updates, self.shards())  # in place: the anchor buffer now holds (after - before)
         if self._predicted is not None:
             self.predictor.measure_residual(updates, self._predicted)
             self._predicted = None

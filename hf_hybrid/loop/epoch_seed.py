@@ -4,7 +4,7 @@ Each epoch's DataLoader iterator draws its seeds from the global RNG, which on C
 hybrid fetches batches ahead of its real steps by the units that rolled-back jumps gave back (loop/replay.py), so it
 creates the next epoch's iterator that many real steps early, and every dropout mask after that differs from the
 Trainer's. On cpu-long this alone made the hybrid miss the Trainer's final loss by 0.0003-0.0015 after 2850
-identical real steps (docs/benchmarks.md).
+identical real steps (docs/benchmarks-history.md).
 
 So the draw is undone when the epoch's first batch is fetched, and made again just before that batch goes to a
 real step: that is where the Trainer made it. The draw is re-made, not restored from a saved state, so it is only
@@ -74,8 +74,8 @@ class EpochSeedDraw:
         waiting = [i for i, unit in enumerate(queue) if unit is self.first_unit]
         return {"draws": self.draws, "queued_at": waiting[0] if waiting else None}
 
-    def load_state_dict(self, state: dict | None, queue) -> None:
-        if state is not None and state["queued_at"] is not None:  # absent from checkpoints written before
+    def load_state_dict(self, state: dict, queue) -> None:
+        if state["queued_at"] is not None:
             self.carried = (state["draws"], queue[state["queued_at"]])
 
     @property

@@ -191,7 +191,7 @@ class OuterMomentumPredictor(Predictor):
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         self.copies.wait()
-        self.anchored = state.get("anchored", bool(state["anchor"]))  # absent before the state was kept on rank 0
+        self.anchored = state["anchored"]
         self.anchor = None
         if self.holds_state and self.anchored and state["anchor"]:  # none after a first kept jump took its buffers
             self.anchor = host_like(self._shards())
@@ -200,6 +200,5 @@ class OuterMomentumPredictor(Predictor):
         if self.holds_state and state["buf"]:
             self.buf = host_like(self._shards())
             load_tensors(self.buf, state["buf"], "outer momentum")
-        self.cycle_steps = state.get("cycle_steps", 0)  # absent from checkpoints written before it was counted
-        # Before the anchor moved at the next accepted step, it moved at the verdict: nothing was due.
-        self.anchor_due = state.get("anchor_due", False)
+        self.cycle_steps = state["cycle_steps"]
+        self.anchor_due = state["anchor_due"]
