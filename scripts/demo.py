@@ -146,8 +146,7 @@ def run_speed(preset: dict, seed: int, out: Path, progress) -> dict:
     update_speedup = updates["baseline"] / updates["hybrid"] if updates["hybrid"] else None
     report = {"seed": seed, "learning_rate": lr, "swept_learning_rate": preset["learning_rate"], "target": target,
               "time_to_target": times, "speedup": speedup, "updates_to_target": updates,
-              "update_speedup": update_speedup, "arms": arms, "environment": environment(),
-              "command": " ".join(["python", "scripts/demo.py", *sys.argv[1:]])}
+              "update_speedup": update_speedup, "arms": arms, "environment": environment()}
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(report, indent=2))
     return report

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import platform
+import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 
 def environment() -> dict:
-    """What a result depends on beyond its command: the library's commit (and whether its files differed from it), its
-    behaviour version, the versions, and the processor. Two records that disagree can then be told apart by these
-    before anything else (two on record do not reproduce: run 200's and session 27's survey)."""
+    """The command that made a result, and what it depends on beyond it: the library's commit (and whether its files
+    differed from it), its behaviour version, the versions, and the processor. Two records that disagree can then be
+    told apart by these before anything else (two on record do not reproduce: run 200's and session 27's survey)."""
     import accelerate
     import torch
     import transformers
@@ -28,7 +30,10 @@ def environment() -> dict:
 
     names = [line.split(":", 1)[1].strip() for line in _read_lines("/proc/cpuinfo") if line.startswith("model name")]
     cpu = names[0] if names else platform.processor()
-    return {"library": str(library), "commit": git("rev-parse", "HEAD"),
+    script = Path(sys.argv[0]).resolve()
+    script = script.relative_to(library.parent) if script.is_relative_to(library.parent) else script
+    return {"command": shlex.join(["python", str(script), *sys.argv[1:]]), "library": str(library),
+            "commit": git("rev-parse", "HEAD"),
             "behaviour_version": hf_hybrid.BEHAVIOUR_VERSION,
             "library_changed": bool(git("status", "--porcelain", "--", ".")),
             "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
