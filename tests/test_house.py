@@ -95,3 +95,13 @@ def test_no_part_reads_another_objects_private_attributes():
              for number, line in enumerate(path.read_text().splitlines(), 1)
              for m in reach.finditer(line.split("#")[0]) if m.group(1) not in third_party]
     assert found == []
+
+
+def test_no_module_over_300_lines_and_no_function_over_60():
+    long_modules = [f"{path.relative_to(LIBRARY)}: {n}" for path in sorted(LIBRARY.rglob("*.py"))
+                    if (n := len(path.read_text().splitlines())) > 300]
+    long_functions = [f"{path.relative_to(LIBRARY)}:{node.lineno} {node.name}: {node.end_lineno - node.lineno + 1}"
+                      for path in sorted(LIBRARY.rglob("*.py")) for node in ast.walk(ast.parse(path.read_text()))
+                      if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+                      and node.end_lineno - node.lineno + 1 > 60]
+    assert (long_modules, long_functions) == ([], [])
