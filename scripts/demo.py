@@ -242,11 +242,11 @@ def recorded_swept_result(preset_name: str) -> dict | None:
     report = json.loads(path.read_text())
     if not current(report):
         return None
-    stats = report["arms"]["hybrid"]["hybrid_stats"]
     losses = [[e[2] for e in report["arms"][arm]["evals"]] for arm in ("baseline", "hybrid")]
     if losses[0] == losses[1]:  # the same run: the clock's difference is noise, not speed
         result = f"1.00x, every evaluation bit for bit the Trainer's (the clock read {report['speedup']:.2f}x)"
         return {"path": DEMO_SWEPT_REPORT, "result": result}
+    stats = report["arms"]["hybrid"]["hybrid_stats"]
     return {"path": DEMO_SWEPT_REPORT, "result": f"{_speedup(report)}; {stats['predictions_kept']} of "
             f"{stats['predictions_judged']} jumps kept, retired: {stats['retired']}"}
 
