@@ -1,25 +1,41 @@
 """The hybrid state in a Trainer checkpoint, beside the optimizer's, loaded safely.
 
-Two parts. The parameter-sized tensors (the predictor's buffers, a jump's undo copy when one is open) go where the
-Trainer puts the weights: once per job when every rank holds the same ones (one process, DDP), one file per rank when
-each rank holds its own shards (FSDP2). The rest is small and partly rank-local (the batches a rolled-back jump will
-replay, the probe, the guard's reference batch), one file per rank.
+The state is one entry per stateful part of the run (the engine, the guard, the LR autopilot: `Stateful`), each its
+own `state_dict()`, written in two kinds of file. The parameter-sized tensors (the predictor's buffers, a jump's undo
+copy when one is open) go where the Trainer puts the weights: once per job when every rank holds the same ones (one
+process, DDP), one file per rank when each rank holds its own shards (FSDP2). The rest is small and partly rank-local
+(the batches a rolled-back jump will replay, the probe, the guard's reference batch), one file per rank.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+from typing import Protocol
 
 import torch
 
 HYBRID_STATE_NAME = "hybrid_state_rank{rank}.pt"
 HYBRID_TENSORS_NAME = "hybrid_tensors.pt"
 HYBRID_TENSOR_SHARDS_NAME = "hybrid_tensors_rank{rank}.pt"
-TENSOR_KEYS = ("predictor", "snapshot")  # the engine state's parameter-sized parts
+TENSOR_KEYS = ("predictor", "snapshot")  # the parameter-sized parts of the engine's state
 # The layout of the hybrid state. Raised with any change to what a part saves, so that a checkpoint of another
 # layout is refused by name instead of loaded with defaults guessed for what it lacks.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+def load_parts(parts: dict[str, Stateful], state: dict) -> None:
+    """Load each part from its entry. A part the saving run did not have (a flag turned on since) starts fresh, and
+    an entry whose part this run lacks (a flag turned off) is left unread."""
+    for key, part in parts.items():
+        if key in state:
+            part.load_state_dict(state[key])
 
 
 def save_hybrid_state(output_dir: str, rank: int, state: dict, sharded: bool, writes_replicated: bool) -> None:
@@ -28,8 +44,9 @@ def save_hybrid_state(output_dir: str, rank: int, state: dict, sharded: bool, wr
     # Every rank writes here, and the Trainer may not have made the folder yet on this one: under DDP, rank 1 got
     # "Parent directory checkpoint-10 does not exist" (tests/test_ddp.py).
     os.makedirs(output_dir, exist_ok=True)
-    state = dict(state, format_version=FORMAT_VERSION)
-    tensors = {key: state.pop(key) for key in TENSOR_KEYS}
+    engine = dict(state["engine"])
+    tensors = {key: engine.pop(key) for key in TENSOR_KEYS}
+    state = dict(state, engine=engine, format_version=FORMAT_VERSION)
     torch.save(state, os.path.join(output_dir, HYBRID_STATE_NAME.format(rank=rank)))
     if sharded:
         torch.save(tensors, os.path.join(output_dir, HYBRID_TENSOR_SHARDS_NAME.format(rank=rank)))
@@ -58,7 +75,7 @@ def find_hybrid_state(checkpoint: str, rank: int) -> dict | None:
     for name in (HYBRID_TENSOR_SHARDS_NAME.format(rank=rank), HYBRID_TENSORS_NAME):
         tensors = os.path.join(checkpoint, name)
         if os.path.isfile(tensors):
-            state.update(load_hybrid_state(tensors))
+            state["engine"].update(load_hybrid_state(tensors))
             break
     return state
 

@@ -1,7 +1,8 @@
 """`HybridTrainingArguments`: the Trainer's arguments plus the hybrid flags.
 
-Each field shows in `HfArgumentParser(...)` `--help`. `HybridHFTrainer` also accepts a plain
-`TrainingArguments`; it then uses the defaults below (`hybrid_settings`).
+Each field shows in `HfArgumentParser(...)` `--help`, and is documented and given its default here alone.
+`HybridHFTrainer` also accepts a plain `TrainingArguments`; it then uses the defaults below (`hybrid_flags`). The run
+reads them once, typed by capability, as a `HybridConfig`; each capability checks its own ranges.
 """
 
 from __future__ import annotations
@@ -12,6 +13,10 @@ from typing import Literal
 
 from transformers import TrainingArguments
 
+from .autopilot.config import AutopilotConfig
+from .flags import FlagSettings, flag, section
+from .guard.config import GuardConfig
+from .jumps.config import JumpsConfig
 from .jumps.predictors import PREDICTORS
 
 PredictorName = Literal["velocity", "adam", "outer"]
@@ -99,7 +104,8 @@ class HybridTrainingArguments(TrainingArguments):
         hybrid_vram_min_free_mb (`float`, defaults to `0.0`):
             On a GPU, ask for a checkpoint when free memory falls below this many MB. 0 turns it off.
         hybrid_offload_snapshot (`bool`, defaults to `False`):
-            Keep the copy of the weights that undoes a Predict phase in pinned host memory rather than on the GPU,
+            Keep the copy of the weights that undoes a Predict phase (and the LR autopilot's copy while a reading moves
+            the weights) in pinned host memory rather than on the GPU,
             for a device-to-host copy of the weights at each Predict phase's start and a copy back at each rollback.
             It lowers the device peak by one parameter-sized buffer only for `velocity` and `adam`, whose jumps stay
             open through their Correct steps: the copy exists only until a jump is judged, so with `outer` it never
@@ -201,57 +207,44 @@ class HybridTrainingArguments(TrainingArguments):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        validate_hybrid_settings(self)
+        HybridConfig.from_flags(self)  # validates, naming the flag
+
+
+@dataclass(frozen=True)
+class HybridConfig(FlagSettings):
+    """Every hybrid setting, typed and validated, by capability; built once from the flags (`hybrid_config`)."""
+
+    enabled: bool = flag("hybrid")
+    trace: bool = flag("hybrid_trace")
+    vram_min_free_mb: float = flag("hybrid_vram_min_free_mb")
+    jumps: JumpsConfig = section(JumpsConfig)
+    guard: GuardConfig = section(GuardConfig)
+    autopilot: AutopilotConfig = section(AutopilotConfig)
+
+    def __post_init__(self) -> None:
+        self.require("vram_min_free_mb", self.vram_min_free_mb >= 0, "must be >= 0")
 
 
 HYBRID_FIELDS = [f for f in fields(HybridTrainingArguments) if f.name.startswith("hybrid")]
 
 
-def validate_hybrid_settings(settings) -> None:
-    """Raise ValueError naming the flag for any out-of-range hybrid setting."""
-
-    def bad(flag: str, why: str) -> None:
-        raise ValueError(f"--{flag}: {why} (got {getattr(settings, flag)!r})")
-
-    for flag in ("hybrid_warmup_steps", "hybrid_correct_steps", "hybrid_max_rejections",
-                 "hybrid_guard_snapshot_steps", "hybrid_guard_max_rollbacks"):
-        if getattr(settings, flag) < 0:
-            bad(flag, "must be >= 0")
-    for flag in ("hybrid_full_steps", "hybrid_min_predict_steps", "hybrid_max_consecutive_predicts",
-                 "hybrid_monitor_interval", "hybrid_guard_window", "hybrid_guard_max_skips", "hybrid_outer_period"):
-        if getattr(settings, flag) < 1:
-            bad(flag, "must be >= 1")
-    if settings.hybrid_max_predict_steps < settings.hybrid_min_predict_steps:
-        bad("hybrid_max_predict_steps", f"must be >= hybrid_min_predict_steps ({settings.hybrid_min_predict_steps})")
-    if not 0.0 <= settings.hybrid_confidence_threshold <= 1.0:
-        bad("hybrid_confidence_threshold", "must be in [0, 1]")
-    if settings.hybrid_predictor not in PREDICTORS:
-        bad("hybrid_predictor", f"must be one of {sorted(PREDICTORS)}")
-    for flag in ("hybrid_velocity_beta", "hybrid_outer_momentum"):
-        if not 0.0 <= getattr(settings, flag) < 1.0:
-            bad(flag, "must be in [0, 1)")
-    for flag in ("hybrid_loss_band", "hybrid_grad_explosion_factor", "hybrid_predict_step_cost", "hybrid_outer_lr",
-                 "hybrid_guard_threshold"):
-        if not getattr(settings, flag) > 0:
-            bad(flag, "must be > 0")
-    for flag in ("hybrid_vram_min_free_mb", "hybrid_probe_noise_margin"):
-        if getattr(settings, flag) < 0:
-            bad(flag, "must be >= 0")
-
-
-def ignored_flags(settings) -> list[str]:
-    """The flags set away from their defaults that only other predictors than the active one read."""
-    if not (settings.hybrid and settings.hybrid_predict):
-        return []
-    active = PREDICTORS[settings.hybrid_predictor].flags
-    others = {flag for cls in PREDICTORS.values() for flag in cls.flags} - set(active)
-    return [f.name for f in HYBRID_FIELDS if f.name in others and getattr(settings, f.name) != f.default]
-
-
-def hybrid_settings(args: TrainingArguments) -> HybridTrainingArguments | SimpleNamespace:
-    """The hybrid settings of `args`: its own fields, or the defaults for a plain `TrainingArguments`."""
+def hybrid_flags(args: TrainingArguments) -> HybridTrainingArguments | SimpleNamespace:
+    """The `hybrid_*` flags of `args`: its own fields, or the defaults for a plain `TrainingArguments`."""
     if isinstance(args, HybridTrainingArguments):
         return args
-    settings = SimpleNamespace(**{f.name: getattr(args, f.name, f.default) for f in HYBRID_FIELDS})
-    validate_hybrid_settings(settings)
-    return settings
+    return SimpleNamespace(**{f.name: getattr(args, f.name, f.default) for f in HYBRID_FIELDS})
+
+
+def hybrid_config(args: TrainingArguments) -> HybridConfig:
+    """The run's settings from `args` (validated)."""
+    return HybridConfig.from_flags(hybrid_flags(args))
+
+
+def ignored_flags(args: TrainingArguments) -> list[str]:
+    """The flags set away from their defaults that only other predictors than the active one read."""
+    flags = hybrid_flags(args)
+    if not (flags.hybrid and flags.hybrid_predict):
+        return []
+    active = PREDICTORS[flags.hybrid_predictor].flags
+    others = {name for cls in PREDICTORS.values() for name in cls.flags} - set(active)
+    return [f.name for f in HYBRID_FIELDS if f.name in others and getattr(flags, f.name) != f.default]

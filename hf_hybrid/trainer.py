@@ -27,8 +27,8 @@ from transformers.utils import logging
 
 from .autopilot.runner import LrAutopilot, build_autopilot
 from .autopilot.scale import LrScale
-from .checkpoint import find_hybrid_state, load_hybrid_state, save_hybrid_state
-from .config import hybrid_settings, ignored_flags
+from .checkpoint import Stateful, find_hybrid_state, load_hybrid_state, load_parts, save_hybrid_state
+from .config import hybrid_config, ignored_flags
 from .guard.rules import StepGuard
 from .guard.runner import GuardAtLoop, GuardStoppedError
 from .jumps.clock import JumpClock
@@ -78,7 +78,7 @@ class HybridMixin:
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.hybrid_settings = hybrid_settings(self.args)
+        self.hybrid_config = hybrid_config(self.args)
         self._hybrid: HybridEngine | None = None
         self._hybrid_pending_state: dict | None = None
         self._hybrid_trace: StepTrace | None = None
@@ -86,28 +86,28 @@ class HybridMixin:
         self.step_veto = StepVeto(self)
         self._guard_loop: GuardAtLoop | None = None
         self._lr_autopilot: LrAutopilot | None = None
-        self._vram = VramMonitor() if self.hybrid_settings.hybrid else None
+        self._vram = VramMonitor() if self.hybrid_config.enabled else None
         self._jump_clock = JumpClock(self)
-        if not self.hybrid_settings.hybrid:
+        if not self.hybrid_config.enabled:
             return
         check_launch_mode(self)
-        ignored = ignored_flags(self.hybrid_settings)
+        ignored = ignored_flags(self.args)
         if ignored and self.args.process_index == 0:
-            logger.warning(f"hf_hybrid: --hybrid_predictor {self.hybrid_settings.hybrid_predictor} does not read "
+            logger.warning(f"hf_hybrid: --hybrid_predictor {self.hybrid_config.jumps.predictor.name} does not read "
                            f"{', '.join('--' + f for f in ignored)}: they have no effect on this run.")
         # First in line: a rollback extends max_steps at the step's end, before DefaultFlowCallback decides to stop.
         self.callback_handler.callbacks.insert(0, _HybridStepHooks(self))
         CountedStepSchedule.install(self)
         self.add_callback(self._jump_clock)
         # Registered on every rank alike (it all-reduces): not on this rank's NVML reading, which may fail alone.
-        if self.hybrid_settings.hybrid_vram_min_free_mb > 0 and torch.cuda.is_available():
-            self.add_callback(EmergencyCheckpointCallback(self._vram, self.hybrid_settings.hybrid_vram_min_free_mb))
+        if self.hybrid_config.vram_min_free_mb > 0 and torch.cuda.is_available():
+            self.add_callback(EmergencyCheckpointCallback(self._vram, self.hybrid_config.vram_min_free_mb))
 
     # ---- public -----------------------------------------------------------------------------------
 
     def hybrid_stats(self) -> dict:
         """Optimizer steps per phase, backward reduction, rollbacks and divergences so far."""
-        guard = self._guard_loop.guard if self._guard_loop is not None else StepGuard()
+        guard = self._guard_loop.guard if self._guard_loop is not None else StepGuard(self.hybrid_config.guard)
         scale = self._lr_autopilot.scale if self._lr_autopilot is not None else LrScale()
         engine = self._hybrid.stats() if self._hybrid is not None else HybridEngine.plain_stats(self.state.global_step)
         return {**engine, **guard.stats(), **scale.stats()}
@@ -202,11 +202,13 @@ class HybridMixin:
         # Parameters of the prepared model: under FSDP2 these are the DTensors that hold the local shards.
         params = [p for p in self.model_wrapped.parameters() if p.requires_grad]
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
-        engine = HybridEngine(self.hybrid_settings, params, optimizer, seed=self.args.seed,
-                              accumulation=self.args.gradient_accumulation_steps)
-        if self._hybrid_pending_state is not None:
-            engine.load_state_dict(self._hybrid_pending_state)
-        return engine
+        return HybridEngine(self.hybrid_config.jumps, params, optimizer, seed=self.args.seed,
+                            accumulation=self.args.gradient_accumulation_steps)
+
+    def _stateful_parts(self) -> dict[str, Stateful]:
+        """The parts of this train() call whose state a checkpoint carries, by their key in it."""
+        parts = {"engine": self._hybrid, "guard": self._guard_loop, "lr_autopilot": self._lr_autopilot}
+        return {key: part for key, part in parts.items() if part is not None}
 
     # ---- the seam the loop parts use (seam.HybridTrainer) ----------------------------------------------
 
@@ -227,15 +229,15 @@ class HybridMixin:
         # The model and optimizer are prepared by now; each train() call builds the engine anew, before any file
         # is touched, so a setup error (no trainable parameter, an optimizer the predictor can't read) leaves none.
         self._hybrid = self._build_engine()
-        saved = self._hybrid_pending_state or {}
-        # A run without the guard saved no "guard" state.
-        self._guard_loop = GuardAtLoop(self, saved.get("guard")) if self.hybrid_settings.hybrid_guard else None
-        self._lr_autopilot = build_autopilot(self, self._guard_loop, saved.get("lr_autopilot"))
+        self._guard_loop = GuardAtLoop(self) if self.hybrid_config.guard.enabled else None
+        self._lr_autopilot = build_autopilot(self, self._guard_loop)
+        if self._hybrid_pending_state is not None:
+            load_parts(self._stateful_parts(), self._hybrid_pending_state)
         self._hybrid_pending_state = None
         self.step_veto.set_epochs_end(train_dataloader)
         # A resumed run: the Trainer set max_steps from the arguments again.
         self.step_veto.extend_max_steps(self._hybrid.made_up_steps)
-        if self.hybrid_settings.hybrid_trace and self.is_world_process_zero():
+        if self.hybrid_config.trace and self.is_world_process_zero():
             self._hybrid_trace = StepTrace(self.args.output_dir, self.state.global_step)
 
     def _hybrid_train_end(self) -> None:
@@ -267,18 +269,15 @@ class HybridMixin:
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)
         if self._hybrid is not None:
-            state = self._hybrid.state_dict()
+            state = {key: part.state_dict() for key, part in self._stateful_parts().items()}
             if self._guard_loop is not None:
-                state["guard"] = self._guard_loop.state_dict()
                 self._guard_loop.snapshot_asked = True
-            if self._lr_autopilot is not None:
-                state["lr_autopilot"] = self._lr_autopilot.state_dict()
             sharded = bool(self._hybrid.predictor.shard_groups)
             save_hybrid_state(output_dir, self.args.process_index, state, sharded, self.args.should_save)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)
-        if checkpoint is not None and self.hybrid_settings.hybrid:
+        if checkpoint is not None and self.hybrid_config.enabled:
             state = find_hybrid_state(checkpoint, self.args.process_index)
             if state is not None:
                 self._hybrid_pending_state = state

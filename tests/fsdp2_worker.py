@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from hf_hybrid import Phase  # noqa: E402
-from hf_hybrid.config import HYBRID_FIELDS  # noqa: E402
+from hf_hybrid.config import HYBRID_FIELDS, hybrid_config  # noqa: E402
 from hf_hybrid.jumps.engine import HybridEngine  # noqa: E402
 from hf_hybrid.memory.snapshot import TrainingSnapshot  # noqa: E402
 from tests.conftest import FAST_SCHEDULE, tiny_gpt2, token_dataset  # noqa: E402
@@ -59,7 +59,8 @@ class Run:
     def __init__(self, model, settings) -> None:
         self.model = model
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-        self.engine = HybridEngine(settings, [p for p in model.parameters() if p.requires_grad], self.optimizer)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        self.engine = HybridEngine(hybrid_config(settings).jumps, trainable, self.optimizer)
         self.collectives = {"predict": 0, "residual": 0, "other": 0}
         self.correct_steps = 0
         self.guard = TrainingSnapshot()  # FSDP2: each rank keeps its own shards

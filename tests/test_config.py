@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 from transformers import HfArgumentParser, TrainingArguments
 
 from hf_hybrid import HybridHFTrainer, HybridTrainingArguments
-from hf_hybrid.config import HYBRID_FIELDS
+from hf_hybrid.config import HYBRID_FIELDS, HybridConfig, hybrid_config
 
 from .conftest import tiny_gpt2, token_dataset
 
@@ -41,19 +44,23 @@ def test_cli_parses_hybrid_false(tmp_path):
         ("hybrid_full_steps", 0),
         ("hybrid_predictor", "crystal_ball"),
         ("hybrid_velocity_beta", 1.0),
+        ("hybrid_outer_lr", 0.0),
+        ("hybrid_monitor_interval", 0),
+        ("hybrid_probe_noise_margin", -1.0),
+        ("hybrid_guard_window", 0),
+        ("hybrid_guard_threshold", 0.0),
+        ("hybrid_vram_min_free_mb", -1.0),
     ],
 )
 def test_bad_values_raise_naming_the_flag(tmp_path, flag, value):
-    with pytest.raises(ValueError, match=f"--{flag}"):
+    with pytest.raises(ValueError, match=f"--{flag}: .* \\(got {value!r}\\)"):
         HybridTrainingArguments(output_dir=str(tmp_path), **{flag: value})
 
 
 def test_plain_training_arguments_get_hybrid_defaults(tmp_path):
     args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, report_to="none", use_cpu=True)
     trainer = HybridHFTrainer(model=tiny_gpt2(), args=args, train_dataset=token_dataset(16))
-    defaults = HybridTrainingArguments(output_dir=str(tmp_path))
-    for f in HYBRID_FIELDS:
-        assert getattr(trainer.hybrid_settings, f.name) == getattr(defaults, f.name)
+    assert trainer.hybrid_config == hybrid_config(HybridTrainingArguments(output_dir=str(tmp_path)))
 
 
 def test_flags_the_active_predictor_does_not_read_are_named_in_one_warning(tmp_path, caplog):
@@ -72,3 +79,37 @@ def test_flags_the_active_predictor_does_not_read_are_named_in_one_warning(tmp_p
         "hf_hybrid: --hybrid_predictor velocity does not read --hybrid_outer_lr: they have no effect on this run."
     ]
     assert warnings() == [] and warnings(hybrid_predict=False, hybrid_full_steps=5) == []
+
+
+def test_each_flag_is_read_by_exactly_one_capability_setting():
+    # One owner per fact: a flag's default lives in HybridTrainingArguments, its value in one typed field.
+    read = HybridConfig.flag_names()
+    assert sorted(read) == sorted(f.name for f in HYBRID_FIELDS)
+    assert len(read) == len(set(read))
+
+
+def test_the_typed_settings_carry_the_flags_values(tmp_path):
+    args = HybridTrainingArguments(output_dir=str(tmp_path), hybrid_guard_window=17, hybrid_outer_lr=0.5,
+                                   hybrid_max_predict_steps=9, hybrid_lr_autopilot=False, hybrid_probe_noise_margin=1.5)
+    config = hybrid_config(args)
+    assert (config.guard.window, config.jumps.predictor.outer_lr, config.jumps.schedule.max_predict_steps,
+            config.autopilot.enabled, config.jumps.checks.probe_noise_margin) == (17, 0.5, 9, False, 1.5)
+
+
+def _shown(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def test_the_flag_docs_state_each_default_the_config_has():
+    # The default has one owner, the field; its docstring line and docs/usage.md's tables restate it, so both are
+    # checked against it here.
+    defaults = {f.name: f.default for f in HYBRID_FIELDS}
+    docstring = dict(re.findall(r"^\s+(hybrid\w*) \(`\w+`, defaults to `\"?([^`\"]+)\"?`\)",
+                                HybridTrainingArguments.__doc__, re.M))
+    assert {name: docstring.get(name) for name in defaults} == {n: str(v) for n, v in defaults.items()}
+    usage = (Path(__file__).resolve().parents[1] / "docs" / "usage.md").read_text()
+    table = dict(re.findall(r"^\| `--(hybrid\w*)` \| `?([^`|]+?)`? \|", usage, re.M))
+    assert set(table) == set(defaults)
+    assert {n: float(v) if v[0].isdigit() else v for n, v in table.items()} == {
+        n: float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else _shown(v)
+        for n, v in defaults.items()}

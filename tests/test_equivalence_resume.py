@@ -83,7 +83,7 @@ def test_a_run_with_dropout_resumed_near_an_epoch_start_draws_the_same_masks(tmp
     full_run = make_trainer(tmp_path / "full", model=tiny_gpt2(dropout=0.1), dataset=token_dataset(examples),
                             **settings)
     full_run.train()
-    saved = {int(path.name.split("-")[1]): find_hybrid_state(str(path), 0)
+    saved = {int(path.name.split("-")[1]): find_hybrid_state(str(path), 0)["engine"]
              for path in (tmp_path / "full").glob("checkpoint-*")}
     deferred = min(step for step, state in saved.items() if state["epoch_seed"]["queued_at"] is not None)
     made = min(step for step, state in saved.items()
@@ -134,7 +134,10 @@ def check_resume_mid_predict(tmp_path, **extra) -> tuple[HybridHFTrainer, Hybrid
     # A checkpoint taken after a Predict step that is followed by another Predict step: mid-phase.
     mid = next(r["step"] for r, nxt in zip(trace, trace[1:]) if r["phase"] == nxt["phase"] == "predict")
     checkpoint = tmp_path / "full" / f"checkpoint-{mid}"
-    saved = find_hybrid_state(str(checkpoint), 0)
+    whole = find_hybrid_state(str(checkpoint), 0)
+    # One entry per stateful part of the run, each its own state_dict.
+    assert set(whole) - {"format_version"} == set(full_run._stateful_parts()) >= {"engine", "guard"}
+    saved = whole["engine"]
     assert saved["controller"]["phase"] == "predict" and saved["snapshot"]["valid"]
 
     resumed_model = tiny_gpt2(seed=123)  # different init: everything must come from the checkpoint

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,6 +16,8 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from hf_hybrid import HybridHFTrainer
 from hf_hybrid.checkpoint import find_hybrid_state, load_hybrid_state
+from hf_hybrid.config import hybrid_config
+from hf_hybrid.guard.config import GuardConfig
 from hf_hybrid.guard.rules import Action, StepGuard
 from hf_hybrid.trainer import GuardStoppedError
 
@@ -41,6 +45,11 @@ class StateRecorder(TrainerCallback):
         snapshot = self.trainer._guard_loop.snapshot
         self.rows.append({"step": state.global_step, "params": flat_params(model), "moments": moments,
                           "lr": self.trainer.lr_scheduler.get_last_lr()[0], "snapshot": snapshot.step})
+
+
+def guard_config(**changes) -> GuardConfig:
+    """The flags' default guard settings, with `changes`."""
+    return replace(hybrid_config(SimpleNamespace()).guard, **changes)
 
 
 def guarded_trainer(output_dir, plan: FaultPlan | None = None, model=None, spike: float = SPIKE,
@@ -74,7 +83,7 @@ def adam_steps(trainer) -> set[float]:
 
 
 def test_guard_flags_upward_outliers_and_non_finite_values_only():
-    guard = StepGuard(window=32, threshold=6.0, min_steps=8)
+    guard = StepGuard(guard_config(window=32), min_steps=8)
     g = torch.Generator().manual_seed(0)
     for step, noise in enumerate(torch.randn(40, generator=g).tolist()):
         assert guard.check(step, 5.0 - 0.02 * step + 0.05 * noise, 1.0 + 0.1 * abs(noise)) is None
@@ -88,7 +97,7 @@ def test_guard_flags_upward_outliers_and_non_finite_values_only():
 
 
 def test_with_clipped_gradients_only_a_non_finite_gradient_norm_is_an_outlier():
-    guard = StepGuard(window=32, threshold=6.0, min_steps=8, grad_norm_outliers=False)
+    guard = StepGuard(guard_config(window=32), min_steps=8, grad_norm_outliers=False)
     for step in range(16):
         assert guard.check(step, 5.0 + 0.01 * (step % 3), 1.0) is None
     assert guard.check(16, 5.0, 50.0) is None  # the Trainer's clip bounds this step already
@@ -97,7 +106,7 @@ def test_with_clipped_gradients_only_a_non_finite_gradient_norm_is_an_outlier():
 
 
 def test_guard_escalates_from_skip_to_rollback_to_stop():
-    guard = StepGuard(window=16, threshold=6.0, max_skips=4, max_rollbacks=1, min_steps=8)
+    guard = StepGuard(guard_config(window=16, max_skips=4, max_rollbacks=1), min_steps=8)
     for step in range(16):
         guard.check(step, 4.0 + 0.01 * (step % 3), 1.0)
     event = guard.check(16, 20.0, 1.0)
@@ -118,14 +127,14 @@ def test_guard_escalates_from_skip_to_rollback_to_stop():
     assert event.action is Action.ROLLBACK
     guard.escalate(event, has_snapshot=True)
     assert event.action is Action.STOP  # one rollback allowed
-    event = StepGuard(min_steps=8).check(0, float("nan"), 1.0)
+    event = StepGuard(guard_config(), min_steps=8).check(0, float("nan"), 1.0)
     event.action = Action.ROLLBACK
-    StepGuard().escalate(event, has_snapshot=False)
+    StepGuard(guard_config()).escalate(event, has_snapshot=False)
     assert event.action is Action.STOP  # nothing to roll back to
 
 
 def test_a_last_batch_whose_loss_its_own_update_raised_convicts_the_weights():
-    guard = StepGuard(window=16, threshold=6.0, min_steps=8)
+    guard = StepGuard(guard_config(window=16), min_steps=8)
     for step in range(16):
         guard.check(step, 4.0 + 0.01 * (step % 3), 1.0)  # the last accepted loss 4.00; sigma: the 2% floor
     event = guard.check(16, 20.0, 1.0)
@@ -277,6 +286,6 @@ def test_a_checkpoint_of_another_layout_is_refused_by_name(tmp_path):
     with the way out, before any part reads it."""
     (tmp_path / "checkpoint-5").mkdir()
     torch.save({"controller": {}}, tmp_path / "checkpoint-5" / "hybrid_state_rank0.pt")  # no format_version
-    with pytest.raises(ValueError, match=r"layout unversioned, and this hf_hybrid reads layout 1\. .*delete the "
+    with pytest.raises(ValueError, match=r"layout unversioned, and this hf_hybrid reads layout 2\. .*delete the "
                                          r"checkpoint's hybrid_\*\.pt files"):
         find_hybrid_state(str(tmp_path / "checkpoint-5"), 0)

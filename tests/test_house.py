@@ -28,8 +28,8 @@ def test_only_the_trainer_glue_reads_a_trainers_private_attributes():
 
 
 # Each capability is a package; a floor imports only from floors below it or from its own package.
-FLOORS = {"memory": 0, "loop": 0, "jumps": 1, "guard": 1, "autopilot": 2, "config": 3, "checkpoint": 3, "trace": 3,
-          "launch": 3, "data": 3, "trainer": 4, "sft": 5}
+FLOORS = {"flags": 0, "memory": 0, "loop": 0, "jumps": 1, "guard": 1, "autopilot": 2, "config": 3, "checkpoint": 3,
+          "trace": 3, "launch": 3, "data": 3, "trainer": 4, "sft": 5}
 
 
 def _runtime_imports() -> dict[str, set[str]]:

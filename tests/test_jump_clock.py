@@ -18,9 +18,10 @@ from .conftest import make_trainer
 def clocked(monkeypatch, steps: list[tuple], payoff_check: bool = True) -> JumpClock:
     """A clock fed `(phase, seconds, charge, steps_in_phase, seconds_between)` per step, against a stand-in trainer:
     `seconds_between` pass after the step ends, as an evaluation or a save does."""
-    settings = SimpleNamespace(hybrid_payoff_check=payoff_check, hybrid_predict_step_cost=0.35)
+    checks = SimpleNamespace(payoff_check=payoff_check, predict_step_cost=0.35)
     engine = SimpleNamespace(payoff=SimpleNamespace(clock=0.0), last_record=None, controller=None)
-    clock = JumpClock(SimpleNamespace(hybrid_engine=engine, hybrid_settings=settings))
+    clock = JumpClock(SimpleNamespace(hybrid_engine=engine,
+                                     hybrid_config=SimpleNamespace(jumps=SimpleNamespace(checks=checks))))
     now = [0.0]
     monkeypatch.setattr(time, "perf_counter", lambda: now[0])
     for phase, seconds, charge, steps_in_phase, between in steps:

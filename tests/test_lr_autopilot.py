@@ -18,6 +18,7 @@ from hf_hybrid.autopilot.scale import LrScale, reach_of_line
 from hf_hybrid.autopilot.verdict import raise_gain
 from hf_hybrid.jumps.engine import HybridEngine
 from hf_hybrid.loop.forward_checks import probe_loss
+from hf_hybrid.memory.snapshot import WeightSnapshot
 
 from .conftest import hybrid_args, make_trainer, reject_every_jump, tiny_gpt2, token_dataset
 from .test_equivalence_resume import assert_bit_identical, state
@@ -343,9 +344,10 @@ def test_the_line_runs_along_adams_next_step_and_puts_the_weights_back(tmp_out):
     model, engine, optimizer = trainer.model, trainer._hybrid, trainer.optimizer.optimizer
     probe = trainer._lr_autopilot.probe
     before = state(model)
-    f0, f1, f2 = (float(loss) for loss in next_step_line(trainer, model, engine, probe))
+    scratch = WeightSnapshot()
+    f0, f1, f2 = (float(loss) for loss in next_step_line(trainer, model, engine.shards(), scratch, probe))
     assert_bit_identical(state(model), before)
-    assert not engine.snapshot.valid
+    assert not scratch.valid and not engine.jump_open
     assert f0 == float(probe_loss(trainer, model, probe))
     with torch.no_grad():  # 2 x SPACING of Adam's next step, weight decay aside, by its own formula
         for group in optimizer.param_groups:
@@ -420,9 +422,10 @@ def test_a_raise_is_judged_against_where_the_users_lr_would_have_gone_and_the_we
     start = [t.clone() for t in snapshot.weight_copies()]
     before = state(model)
     assert any(not torch.equal(p, w0) for p, w0 in zip(engine.params, start))
-    gain, noise = raise_gain(trainer, model, engine, probe, snapshot, 3.0)
+    scratch = WeightSnapshot()
+    gain, noise = raise_gain(trainer, model, engine.shards(), scratch, probe, snapshot, 3.0)
     assert_bit_identical(state(model), before)
-    assert not engine.snapshot.valid
+    assert not scratch.valid and not engine.jump_open
     raised = float(probe_loss(trainer, model, probe))
     with torch.no_grad():
         for p, w0 in zip(engine.params, start):
@@ -440,7 +443,7 @@ def test_a_raise_is_undone_only_when_it_did_worse_by_more_than_the_noise(tmp_out
     autopilot.scale.trial_from = autopilot.scale.scale / 2
     asked = []
 
-    def scripted(trainer, model, engine, probe, undo_point, raise_):
+    def scripted(trainer, model, shards, scratch, probe, undo_point, raise_):
         asked.append(raise_)
         return gain, noise
 

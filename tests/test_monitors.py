@@ -58,7 +58,7 @@ def test_dynamics_does_not_touch_the_global_rng():
 
 
 def test_divergence_band_ignores_trend_and_catches_jumps():
-    monitor = DivergenceMonitor(band_sigmas=3.0)
+    monitor = DivergenceMonitor(band_sigmas=3.0, grad_explosion_factor=10.0)
     rng = random.Random(0)
     for i in range(100):  # a steep, steady fall with small noise
         monitor.observe(6.0 - 0.02 * i + rng.gauss(0, 0.01), 1.0)
@@ -72,7 +72,7 @@ def test_divergence_band_ignores_trend_and_catches_jumps():
 
 def test_payoff_requires_what_plain_training_would_have_gained():
     def meter_after_fall() -> PayoffMeter:
-        meter = PayoffMeter(forward_cost=0.35)
+        meter = PayoffMeter(forward_cost=0.35, noise_margin=2.0)
         rng = random.Random(0)
         for i in range(64):  # plain training improves 0.01 per unit cost
             meter.tick_real(5.0 - 0.01 * i + rng.gauss(0, 0.005))
@@ -89,7 +89,7 @@ def test_payoff_requires_what_plain_training_would_have_gained():
     assert bad.verdict(0.005) is False  # a gain, but less than plain training's for the same cost
     assert meter_after_fall().verdict(float("nan")) is False
     assert (good.verdicts, good.paid, bad.paid) == (1, 1, 0)
-    restored = PayoffMeter()
+    restored = PayoffMeter(forward_cost=0.35, noise_margin=2.0)
     restored.load_state_dict(good.state_dict())
     assert restored.state_dict() == good.state_dict()
     assert (restored.clock, restored.paid, len(restored.history)) == (good.clock, 1, 64) and restored.clock > 64

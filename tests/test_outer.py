@@ -77,7 +77,7 @@ def jumps_from_the_weights_and_from_the_anchor(device: str, momentum: bool) -> t
     leaves them) and the start given. The outer state sits where the predictor keeps it (pinned memory on a GPU)."""
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(shape, device=device)) for shape in [(7, 5), (5,), (3, 4, 2)]]
-    predictor = OuterMomentumPredictor(params, torch.optim.AdamW(params), outer_lr=0.7, momentum=0.5)
+    predictor = OuterMomentumPredictor(params, torch.optim.AdamW(params), period=30, outer_lr=0.7, momentum=0.5)
     weights = [p.detach().clone() for p in params]
     predictor.anchor = host_like(weights)
     predictor.buf = host_like(weights) if momentum else []
@@ -373,9 +373,10 @@ def test_made_up_steps_write_the_trainers_checkpoints_and_no_extra_one(tmp_path,
 
 def test_a_checkpoint_written_for_other_parameters_is_refused_with_a_remedy():
     saved_params = [torch.zeros(4, requires_grad=True), torch.zeros(2, 2, requires_grad=True)]
-    saved = OuterMomentumPredictor(saved_params, torch.optim.AdamW(saved_params))
+    saved = OuterMomentumPredictor(saved_params, torch.optim.AdamW(saved_params), period=30, outer_lr=0.6,
+                                   momentum=0.9)
     saved.buf = [torch.zeros_like(p) for p in saved_params]  # a kept jump's momentum, without its anchor
     params = [torch.zeros(3, requires_grad=True), torch.zeros(2, 2, requires_grad=True)]
-    predictor = OuterMomentumPredictor(params, torch.optim.AdamW(params))
+    predictor = OuterMomentumPredictor(params, torch.optim.AdamW(params), period=30, outer_lr=0.6, momentum=0.9)
     with pytest.raises(ValueError, match="outer momentum .* delete the checkpoint's hybrid_\\*.pt files"):
         predictor.load_state_dict(saved.state_dict())

@@ -49,7 +49,7 @@ def test_probe_losses_by_sequence_for_a_causal_lm_and_none_for_another_head(tmp_
 
 def test_a_gain_within_its_noise_is_rejected_and_one_beyond_it_kept():
     def verdict(gain: float, noise: float, margin: float = 2.0) -> bool:
-        meter = PayoffMeter(noise_margin=margin)
+        meter = PayoffMeter(forward_cost=0.35, noise_margin=margin)
         meter.begin_prediction()  # no history: plain training's required gain is 0
         return meter.verdict(gain, noise)
 

@@ -18,6 +18,7 @@ import torch
 
 from ..loop.forward_checks import probe_loss
 from ..memory.shards import local_shard
+from ..memory.snapshot import WeightSnapshot
 
 SPACING = 4.0  # c: the line is read at 0, 4 and 8 of today's steps, far enough to see a line several steps long
 # On an accelerator, elements per multi-tensor list where the largest parameter is smaller: a move's two temporaries
@@ -92,16 +93,17 @@ def _same_step_chunks(sizes: list[int], steps: list[float], bound: int) -> list[
 
 
 @torch.no_grad()
-def next_step_line(trainer, model: torch.nn.Module, engine, probe: dict) -> list[torch.Tensor]:
-    """The probe's loss at the weights W, at W + c*step and at W + 2c*step (c = SPACING), unreduced across ranks."""
-    shards = engine.shards()
-    engine.snapshot.capture(shards)  # the jump's undo copy, free outside a jump
+def next_step_line(trainer, model: torch.nn.Module, shards: list[torch.Tensor], scratch: WeightSnapshot,
+                   probe: dict) -> list[torch.Tensor]:
+    """The probe's loss at the weights W, at W + c*step and at W + 2c*step (c = SPACING), unreduced across ranks.
+    `shards` are the weights (local shards); `scratch` holds W meanwhile and is released after."""
+    scratch.capture(shards)
     optimizer = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
     step_groups = _step_groups(optimizer, lists=shards[0].device.type != "cpu")
     losses = [probe_loss(trainer, model, probe)]
     for _ in range(2):
         _move_along_next_step(step_groups, SPACING)
         losses.append(probe_loss(trainer, model, probe))
-    engine.snapshot.restore(shards)
-    engine.snapshot.release()
+    scratch.restore(shards)
+    scratch.release()
     return losses

@@ -18,15 +18,20 @@ cpu-lora, seed 1: a run whose one raise was undone and whose jumps were all reje
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 from transformers.utils import logging
 
 from ..guard.runner import GuardAtLoop
 from ..loop.seam import HybridTrainer
+from ..memory.snapshot import WeightSnapshot
 from .line import SPACING, adam_family, next_step_line
 from .scale import LrScale
 from .verdict import raise_gain
+
+if TYPE_CHECKING:
+    from ..config import HybridConfig
 
 logger = logging.get_logger(__name__)
 
@@ -46,13 +51,12 @@ READ_EVERY = 10
 FIRST_DESCENT_STEPS = 10
 
 
-def lr_autopilot_missing(settings) -> list[str] | None:
+def lr_autopilot_missing(config: HybridConfig) -> list[str] | None:
     """What the learning-rate autopilot asked for by the flags lacks to run: None when it is not asked for, else the
     list (empty: it runs)."""
-    if not (settings.hybrid and settings.hybrid_lr_autopilot):
+    if not (config.enabled and config.autopilot.enabled):
         return None
-    snapshots = settings.hybrid_guard and settings.hybrid_guard_snapshot_steps > 0
-    return [] if snapshots else ["the guard's snapshots (the undo point): --hybrid_guard and "
+    return [] if config.guard.snapshots else ["the guard's snapshots (the undo point): --hybrid_guard and "
                                  "--hybrid_guard_snapshot_steps > 0"]
 
 
@@ -66,22 +70,18 @@ def scalable_schedule(trainer) -> bool:
 class LrAutopilot:
     """The judged learning-rate scale of one run, identical on every rank."""
 
-    def __init__(self, trainer: HybridTrainer, guard_loop: GuardAtLoop, saved: dict | None) -> None:
+    def __init__(self, trainer: HybridTrainer, guard_loop: GuardAtLoop) -> None:
         self.trainer, self.guard_loop = trainer, guard_loop
         self.scale = LrScale()
         self.user_base_lrs = list(self._scheduler.base_lrs)
         self.probe: dict | None = None  # the run's first micro-batch, read at every reading
+        # The weights while a reading or a verdict moves them, held only meanwhile; placed as a jump's undo copy.
+        self.scratch = WeightSnapshot(on_host=trainer.hybrid_config.jumps.offload_snapshot)
         self.last_reading = 0  # the global step of the last reading
         self.read_every = READ_EVERY
         self.last_line: tuple[float, float, float] | None = None  # for the step trace
         self.last_verdict: tuple[float, float] | None = None  # a trial's (gain, noise), for the step trace
-        if saved is not None:  # the scheduler's own state, loaded with the checkpoint, holds the scaled base LRs
-            self.scale.load_state_dict(saved["scale"])
-            self.user_base_lrs, self.last_reading = saved["user_base_lrs"], saved["last_reading"]
-            self.read_every = saved["read_every"]
-            device = trainer.args.device
-            self.probe = {k: v.to(device) for k, v in saved["probe"].items()} if saved["probe"] is not None else None
-        self.guard_loop.snapshot_held = self.scale.on_trial
+        guard_loop.raise_on_trial = lambda: self.scale.on_trial
         # What the readings cost this process, for the end line: measured, since three forwards weigh a different
         # share of a step in each setting (see READ_EVERY).
         self.readings_here, self.reading_seconds = 0, 0.0
@@ -132,7 +132,7 @@ class LrAutopilot:
     def _wants_reading(self, step: int, real_step: bool) -> bool:
         engine = self.trainer.hybrid_engine
         due = step - self.last_reading >= self.read_every and self.probe is not None
-        idle = real_step and not engine.snapshot.valid  # the jump's undo buffer is free
+        idle = real_step and not engine.jump_open  # a jump's weights may yet be undone
         # One reading before raises may start, so that the first one after it has a rate and can raise.
         start = self._raise_from()
         freeze_ending = start - READ_EVERY <= self._scheduler.last_epoch < start
@@ -151,7 +151,8 @@ class LrAutopilot:
             started = self._clock()
             had_rate = scale.last_loss is not None  # a first reading, or one after a rollback, asks for nothing yet
             trainer = self.trainer
-            line = trainer.reduce_across_ranks(*next_step_line(trainer, trainer.model_wrapped, trainer.hybrid_engine,
+            weights = trainer.hybrid_engine.shards()
+            line = trainer.reduce_across_ranks(*next_step_line(trainer, trainer.model_wrapped, weights, self.scratch,
                                                                self.probe))
             self.last_line = tuple(line)
             decision = scale.reading(*line, spacing=SPACING, steps=step - self.last_reading,
@@ -170,7 +171,6 @@ class LrAutopilot:
             self._apply()
         if not scale.on_trial:
             replay.end_trial()
-        self.guard_loop.snapshot_held = scale.on_trial
 
     def _clock(self) -> float:
         """Wall time, once the device's queued work is done: a reading reads its losses on the host anyway."""
@@ -189,10 +189,10 @@ class LrAutopilot:
         trainer = self.trainer
         if not self.guard_loop.snapshot.valid:
             return False
-        gain, noise = raise_gain(trainer, trainer.model_wrapped, trainer.hybrid_engine, self.probe,
-                                 self.guard_loop.snapshot, self.scale.trial_raise)
+        gain, noise = raise_gain(trainer, trainer.model_wrapped, trainer.hybrid_engine.shards(), self.scratch,
+                                 self.probe, self.guard_loop.snapshot, self.scale.trial_raise)
         self.last_verdict = (gain, noise)
-        return gain + trainer.hybrid_settings.hybrid_probe_noise_margin * noise >= 0
+        return gain + trainer.hybrid_config.jumps.checks.probe_noise_margin * noise >= 0
 
     def _undo(self, step: int, tried: float) -> None:
         undone = 0
@@ -238,11 +238,19 @@ class LrAutopilot:
         return {"scale": self.scale.state_dict(), "user_base_lrs": list(self.user_base_lrs),
                 "last_reading": self.last_reading, "read_every": self.read_every, "probe": probe}
 
+    def load_state_dict(self, state: dict) -> None:
+        # The scheduler's own state, loaded with the checkpoint, holds the scaled base LRs.
+        self.scale.load_state_dict(state["scale"])
+        self.user_base_lrs, self.last_reading = state["user_base_lrs"], state["last_reading"]
+        self.read_every = state["read_every"]
+        device = self.trainer.args.device
+        self.probe = {k: v.to(device) for k, v in state["probe"].items()} if state["probe"] is not None else None
 
-def build_autopilot(trainer: HybridTrainer, guard_loop: GuardAtLoop | None, saved: dict | None) -> LrAutopilot | None:
+
+def build_autopilot(trainer: HybridTrainer, guard_loop: GuardAtLoop | None) -> LrAutopilot | None:
     """The run's autopilot when `--hybrid_lr_autopilot` asks for it and the run has what it needs; otherwise None,
     with one line saying why."""
-    missing = lr_autopilot_missing(trainer.hybrid_settings)
+    missing = lr_autopilot_missing(trainer.hybrid_config)
     if missing is None:
         return None
     if not scalable_schedule(trainer):
@@ -254,4 +262,4 @@ def build_autopilot(trainer: HybridTrainer, guard_loop: GuardAtLoop | None, save
             logger.warning(f"hf_hybrid: the learning-rate autopilot is off for this run: it needs "
                            f"{'; '.join(missing)}.")
         return None
-    return LrAutopilot(trainer, guard_loop, saved)
+    return LrAutopilot(trainer, guard_loop)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from ..jumps.predict_step import paired_noise
 from ..loop.forward_checks import probe_loss_by_sequence
 from ..loop.seam import HybridTrainer
-from ..memory.snapshot import TrainingSnapshot
+from ..memory.snapshot import TrainingSnapshot, WeightSnapshot
 
 
 @torch.no_grad()
@@ -42,16 +42,16 @@ def _move_toward_undo_point(shards: list[torch.Tensor], undo_point: TrainingSnap
 
 
 @torch.no_grad()
-def raise_gain(trainer: HybridTrainer, model: torch.nn.Module, engine, probe: dict, undo_point: TrainingSnapshot,
-               raise_: float) -> tuple[float, float]:
+def raise_gain(trainer: HybridTrainer, model: torch.nn.Module, shards: list[torch.Tensor], scratch: WeightSnapshot,
+               probe: dict, undo_point: TrainingSnapshot, raise_: float) -> tuple[float, float]:
     """The probe's loss where the user's LR would have taken the weights, minus its loss at the raised weights
-    (positive: the raise paid), and the standard error of that difference; both over every rank's probe."""
-    shards = engine.shards()
-    engine.snapshot.capture(shards)  # the jump's undo copy, free outside a jump
+    (positive: the raise paid), and the standard error of that difference; both over every rank's probe. `shards` are
+    the weights (local shards); `scratch` holds them meanwhile and is released after."""
+    scratch.capture(shards)
     raised, raised_rows = probe_loss_by_sequence(trainer, model, probe)
     _move_toward_undo_point(shards, undo_point, raise_)
     user, user_rows = probe_loss_by_sequence(trainer, model, probe)
-    engine.snapshot.restore(shards)
-    engine.snapshot.release()
+    scratch.restore(shards)
+    scratch.release()
     gain = trainer.reduce_across_ranks(user - raised)[0]
     return gain, paired_noise(trainer, user_rows, raised_rows)

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from ..loop.divergence import non_finite
+from .config import GuardConfig
 
 MAD_TO_SIGMA = 1.4826  # the MAD of a normal distribution is 0.6745 sigma
 # Floors on the robust sigma, so that an unusually smooth stretch does not turn ordinary noise into outliers:
@@ -87,12 +88,12 @@ class RobustWindow:
 
 
 class StepGuard:
-    def __init__(self, window: int = 128, threshold: float = 6.0, max_skips: int = 25, max_rollbacks: int = 3,
-                 min_steps: int | None = None, grad_norm_outliers: bool = True) -> None:
-        self.threshold = threshold
+    def __init__(self, config: GuardConfig, min_steps: int | None = None, grad_norm_outliers: bool = True) -> None:
+        window = config.window
+        self.threshold = config.threshold
         self.grad_norm_outliers = grad_norm_outliers  # False: only a non-finite gradient norm is flagged
-        self.max_skips = max_skips
-        self.max_rollbacks = max_rollbacks
+        self.max_skips = config.max_skips
+        self.max_rollbacks = config.max_rollbacks
         # Half a window: early training's gradient norms swing widely, and a short history flags them (measured).
         self.min_steps = min_steps if min_steps is not None else min(window, max(8, window // 2))
         self.loss = RobustWindow(window, LOSS_SIGMA_FLOOR, relative_floor=True)

@@ -11,6 +11,7 @@ the run (with a checkpoint) instead of rolling back.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 from transformers.utils import logging
@@ -34,13 +35,10 @@ class GuardStoppedError(RuntimeError):
 class GuardAtLoop:
     """The guard's state on one rank of a run, and the Trainer-side work of its verdicts."""
 
-    def __init__(self, trainer: HybridTrainer, saved: dict | None) -> None:
-        settings = trainer.hybrid_settings
+    def __init__(self, trainer: HybridTrainer) -> None:
         self.trainer = trainer
-        self.guard = StepGuard(window=settings.hybrid_guard_window, threshold=settings.hybrid_guard_threshold,
-                               max_skips=settings.hybrid_guard_max_skips,
-                               max_rollbacks=settings.hybrid_guard_max_rollbacks,
-                               grad_norm_outliers=not trainer.args.max_grad_norm)
+        self.config = trainer.hybrid_config.guard
+        self.guard = StepGuard(self.config, grad_norm_outliers=not trainer.args.max_grad_norm)
         # Under DDP every rank holds the same state, so one rank keeps the snapshot for all (FSDP2: each its shards).
         sharded = bool(trainer.hybrid_engine.predictor.shard_groups)
         self.snapshot = TrainingSnapshot(replicated=trainer.accelerator.num_processes > 1 and not sharded)
@@ -53,32 +51,26 @@ class GuardAtLoop:
         # Set by a save: the next accepted step's snapshot is the checkpoint's own state, which a run resumed from it
         # takes at that step too (it starts with none), so both runs hold the same snapshot from there on.
         self.snapshot_asked = False
-        # Set while a learning-rate raise is on trial (autopilot/runner.py): the snapshot is its undo point, not
-        # replaced on the periodic schedule until the raise is judged.
-        self.snapshot_held = False
+        # Whether a learning-rate raise is on trial: the snapshot is then its undo point, not replaced on the periodic
+        # schedule until the raise is judged. The autopilot, which owns the trial (`LrScale.on_trial`), answers it.
+        self.raise_on_trial: Callable[[], bool] = lambda: False
         # The RNG at the start of the real step under way, when a trial's undo point is due in it: an undone trial
         # trains that step again on its own batch (loop/replay.py), and must draw the same dropout masks.
         self.step_rng: dict | None = None
         self.memory_checked = False  # at the first snapshot, where the optimizer's state exists
-        if saved is not None:
-            self.guard.load_state_dict(saved["stats"])
-            reference = saved["reference"]
-            # A checkpoint without the reference's item count: its reference is judged as a plain mean.
-            unit = (reference, saved.get("reference_items"))
-            self.reference = move_unit(unit, trainer.args.device) if reference else None
 
     def add_micro_batch(self, inputs: dict, num_items_in_batch: torch.Tensor | int | None, first: bool) -> None:
         self.inputs = ([inputs] if first else [*self.inputs[0], inputs]), num_items_in_batch
         if first:
             due = self.snapshot_asked or not self.snapshot.valid  # a run resumed mid-trial takes its first one
-            self.step_rng = rng_state() if due and self.snapshot_held else None
+            self.step_rng = rng_state() if due and self.raise_on_trial() else None
 
     def vetoes(self, model, loss: float, grad_norm: float | None) -> bool:
         """The verdict on a real step; a flagged step is vetoed now and dealt with at the step's end."""
         trainer, guard, engine = self.trainer, self.guard, self.trainer.hybrid_engine
         step = trainer.state.global_step
         event = guard.check(step + 1, loss, grad_norm)
-        jump_open = engine.snapshot.valid
+        jump_open = engine.jump_open
         if event is None:
             self.reference = self.inputs
             return False
@@ -106,12 +98,12 @@ class GuardAtLoop:
         parameters more), kept until the next cycle starts or, on a trial, until its verdict."""
         trainer, engine, snapshot = self.trainer, self.trainer.hybrid_engine, self.snapshot
         step = trainer.state.global_step
-        every = trainer.hybrid_settings.hybrid_guard_snapshot_steps
+        every = self.config.snapshot_steps
         # The rollback point is never older than `every` steps, however long a cycle is (the warmup's, or one that a
         # rejected jump lengthened): such a cycle takes a copy of its own.
-        due = self.snapshot_asked or not snapshot.valid or (step - snapshot.step >= every and not self.snapshot_held)
+        due = self.snapshot_asked or not snapshot.valid or (step - snapshot.step >= every and not self.raise_on_trial())
         if cycle_started:
-            due = due or not (self.snapshot_held and not snapshot.on_held_weights)
+            due = due or not (self.raise_on_trial() and not snapshot.on_held_weights)
         if due and self._snapshot_possible():
             # An asked-for snapshot, or a raise's undo point, keeps a copy of its own: a trial holds it across the next
             # cycle start (and a run resumed mid-trial takes its first one as the trial's too).
@@ -122,7 +114,7 @@ class GuardAtLoop:
             self.snapshot_asked = False
             if not self.memory_checked:
                 self._check_host_memory()
-            if self.snapshot_held:  # a learning-rate trial's undo point: its batches are recorded from this step on
+            if self.raise_on_trial():  # a learning-rate trial's undo point: its batches are recorded from this step on
                 engine.replay.begin_trial()
         elif cycle_started and snapshot.on_held_weights:
             snapshot.invalidate()  # its weights were the anchor, which just moved
@@ -131,12 +123,12 @@ class GuardAtLoop:
         """Not before the optimizer has state (AdamW creates it at its first step; a resumed run has it from the
         start), and never inside a jump: the engine may still reject it, and a snapshot would bring it back."""
         engine = self.trainer.hybrid_engine
-        return bool(self.trainer.hybrid_settings.hybrid_guard_snapshot_steps and engine.optimizer.state
-                    and not engine.snapshot.valid)
+        return bool(self.config.snapshot_steps and engine.optimizer.state
+                    and not engine.jump_open)
 
     def _keeps_own_copy(self) -> bool:
         """Whether the next snapshot keeps a copy of the weights of its own even where a cycle starts."""
-        return self.snapshot_asked or self.snapshot_held
+        return self.snapshot_asked or self.raise_on_trial()
 
     def make_room_for_anchor(self) -> None:
         """A cycle starts at this accepted step and its anchor needs new buffers; the snapshot about to be taken will
@@ -204,7 +196,7 @@ class GuardAtLoop:
             checkpoint = os.path.join(trainer.args.output_dir, f"checkpoint-{trainer.state.global_step}")
             restored = done if snapshot.valid else (
                 "no snapshot to restore (--hybrid_guard_snapshot_steps 0)"
-                if not trainer.hybrid_settings.hybrid_guard_snapshot_steps
+                if not self.config.snapshot_steps
                 else "no snapshot to restore yet (a resumed run takes its first at its first accepted step)"
             )
             message = (
@@ -235,3 +227,8 @@ class GuardAtLoop:
         """For a checkpoint: the statistics and the reference batch. The snapshot stays out (see `snapshot_asked`)."""
         batches, num_items_in_batch = move_unit(self.reference, "cpu") if self.reference else (None, None)
         return {"stats": self.guard.state_dict(), "reference": batches, "reference_items": num_items_in_batch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.guard.load_state_dict(state["stats"])
+        unit = (state["reference"], state["reference_items"])
+        self.reference = move_unit(unit, self.trainer.args.device) if state["reference"] else None

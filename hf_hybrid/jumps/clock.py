@@ -66,16 +66,16 @@ class JumpClock(TrainerCallback):
 
     def advice(self) -> str | None:
         """The line, when the timed jumps cost well over what the payoff check charged for them; None otherwise."""
-        settings = self.trainer.hybrid_settings
+        checks = self.trainer.hybrid_config.jumps.checks
         timed = self.jumps[1:]
-        if not settings.hybrid_payoff_check or len(timed) < MIN_JUMPS or len(self.real) < MIN_JUMPS:
+        if not checks.payoff_check or len(timed) < MIN_JUMPS or len(self.real) < MIN_JUMPS:
             return None
         step = statistics.median(self.real)
         cost = statistics.median((predict + after - step) / step for predict, _, after in timed)
         charge = statistics.median(charged for _, charged, _ in timed)
         if charge <= 0 or cost < MIN_OVERCHARGE * charge:
             return None
-        suggested = settings.hybrid_predict_step_cost * cost / charge
+        suggested = checks.predict_step_cost * cost / charge
         return (f"hf_hybrid: on this machine a jump took {cost:.1f} real steps of wall time (the median of "
                 f"{len(timed)}), where the payoff check charged {charge:.1f}, so it may keep jumps that gain less than "
                 f"they cost; --hybrid_predict_step_cost {suggested:.2f} charges about what they cost here.")

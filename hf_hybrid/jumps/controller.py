@@ -28,6 +28,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 
+from ..flags import FlagSettings, flag
+
 MAX_CHECK_DOUBLINGS = 4
 
 
@@ -46,38 +48,29 @@ PHASE_IDS = {Phase.WARMUP: 0, Phase.FULL: 1, Phase.PREDICT: 2, Phase.CORRECT: 3}
 
 
 @dataclass(frozen=True)
-class ControllerConfig:
-    warmup_steps: int = 100
-    full_steps: int = 20
-    min_predict_steps: int = 1
-    max_predict_steps: int = 15
-    correct_steps: int = 2
-    confidence_threshold: float = 0.85
-    max_consecutive_predicts: int = 5
+class ControllerConfig(FlagSettings):
+    """The Predict/Correct schedule. The flags' defaults are `HybridTrainingArguments`'; `max_backoff` and
+    `confidence_interval` are not flags."""
+
+    warmup_steps: int = flag("hybrid_warmup_steps")
+    full_steps: int = flag("hybrid_full_steps")
+    min_predict_steps: int = flag("hybrid_min_predict_steps")
+    max_predict_steps: int = flag("hybrid_max_predict_steps")
+    correct_steps: int = flag("hybrid_correct_steps")
+    confidence_threshold: float = flag("hybrid_confidence_threshold")
+    max_consecutive_predicts: int = flag("hybrid_max_consecutive_predicts")
+    max_rejections: int = flag("hybrid_max_rejections")
     max_backoff: int = 6
-    max_rejections: int = 3
     confidence_interval: int = 10
 
-    @classmethod
-    def from_settings(cls, settings) -> ControllerConfig:
-        """From the `hybrid_*` fields of `HybridTrainingArguments`."""
-        names = ("warmup_steps", "full_steps", "min_predict_steps", "max_predict_steps", "correct_steps",
-                 "confidence_threshold", "max_consecutive_predicts", "max_rejections")
-        return cls(**{name: getattr(settings, f"hybrid_{name}") for name in names})
-
     def __post_init__(self) -> None:
-        if self.warmup_steps < 0 or self.correct_steps < 0:
-            raise ValueError("warmup_steps and correct_steps must be >= 0")
-        if self.full_steps < 1:
-            raise ValueError("full_steps must be >= 1")
-        if not 1 <= self.min_predict_steps <= self.max_predict_steps:
-            raise ValueError("need 1 <= min_predict_steps <= max_predict_steps")
-        if not 0.0 <= self.confidence_threshold <= 1.0:
-            raise ValueError("confidence_threshold must be in [0, 1]")
-        if self.max_consecutive_predicts < 1 or self.max_backoff < 0:
-            raise ValueError("max_consecutive_predicts must be >= 1 and max_backoff >= 0")
-        if self.max_rejections < 0 or self.confidence_interval < 1:
-            raise ValueError("max_rejections must be >= 0 and confidence_interval >= 1")
+        for name in ("warmup_steps", "correct_steps", "max_rejections", "max_backoff"):
+            self.require(name, getattr(self, name) >= 0, "must be >= 0")
+        for name in ("full_steps", "min_predict_steps", "max_consecutive_predicts", "confidence_interval"):
+            self.require(name, getattr(self, name) >= 1, "must be >= 1")
+        self.require("max_predict_steps", self.max_predict_steps >= self.min_predict_steps,
+                     f"must be >= hybrid_min_predict_steps ({self.min_predict_steps})")
+        self.require("confidence_threshold", 0.0 <= self.confidence_threshold <= 1.0, "must be in [0, 1]")
 
 
 @dataclass

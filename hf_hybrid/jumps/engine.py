@@ -22,12 +22,13 @@ from ..loop.epoch_seed import EpochSeedDraw
 from ..loop.replay import BatchReplay, Unit
 from ..memory.shards import local_shard
 from ..memory.snapshot import WeightSnapshot
-from .controller import PHASE_IDS, ControllerConfig, Phase, PhaseController
+from .config import JumpsConfig
+from .controller import PHASE_IDS, Phase, PhaseController
 from .dynamics import LossDynamicsModel
 from .lifecycle import JumpLifecycle
 from .payoff import PayoffMeter
 from .predictor_feed import PredictorFeed
-from .predictors import build_predictor
+from .predictors import PREDICTORS
 
 
 @dataclass
@@ -43,24 +44,24 @@ class StepRecord:
 
 
 class HybridEngine(JumpLifecycle, PredictorFeed):
-    def __init__(self, settings, params: list[Tensor], optimizer: torch.optim.Optimizer, seed: int = 0,
+    def __init__(self, config: JumpsConfig, params: list[Tensor], optimizer: torch.optim.Optimizer, seed: int = 0,
                  accumulation: int = 1) -> None:
         if not params:
             raise ValueError("hybrid training needs at least one trainable parameter; the model has none. Unfreeze "
                              "the parameters to train (with PEFT: check the adapter config's target_modules), or "
                              "pass --hybrid false.")
-        self.settings = settings
+        self.config = config
         self.params = params
         self.optimizer = optimizer
-        self.predictor = build_predictor(settings, params, optimizer)
-        config = ControllerConfig.from_settings(settings)
-        self.controller = PhaseController(replace(config, **self.predictor.controller_settings()))
-        self.monitor = DivergenceMonitor(band_sigmas=settings.hybrid_loss_band,
-                                         grad_explosion_factor=settings.hybrid_grad_explosion_factor)
-        self.payoff = PayoffMeter(forward_cost=settings.hybrid_predict_step_cost, accumulation=accumulation,
-                                  noise_margin=settings.hybrid_probe_noise_margin)
+        self.predictor = PREDICTORS[config.predictor.name](params, optimizer, **config.predictor.predictor_kwargs())
+        self.controller = PhaseController(replace(config.schedule, **self.predictor.controller_settings()))
+        checks = config.checks
+        self.monitor = DivergenceMonitor(band_sigmas=checks.loss_band,
+                                         grad_explosion_factor=checks.grad_explosion_factor)
+        self.payoff = PayoffMeter(forward_cost=checks.predict_step_cost, noise_margin=checks.probe_noise_margin,
+                                  accumulation=accumulation)
         self.dynamics = LossDynamicsModel(seed=seed)
-        self.snapshot = WeightSnapshot(on_host=settings.hybrid_offload_snapshot)
+        self.snapshot = WeightSnapshot(on_host=config.offload_snapshot)
         self.replay = BatchReplay()
         self.epoch_seed = EpochSeedDraw()
         self._anchor: list[Tensor] | None = None  # parameters before a real optimizer step, while it runs
@@ -87,7 +88,7 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
         # The counted step of the last evaluation `--eval_steps` asked for (CountedStepSchedule, loop/step_veto.py),
         # carried in checkpoints: a resumed run must not take an evaluation an open jump deferred for done.
         self.evaluated_count: int | None = None
-        if not settings.hybrid_predict:  # the guard alone: retired from the start, no predictor buffers
+        if not config.predict:  # the guard alone: retired from the start, no predictor buffers
             self.controller.retired = True
             self.controller.phase = Phase.FULL
             self._release()
@@ -121,7 +122,7 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
         """After backward on a real step; returns True when the optimizer step must be vetoed."""
         record = self.record
         record.loss = loss
-        after_prediction = self.snapshot.valid
+        after_prediction = self.jump_open
         if non_finite(loss, grad_norm):
             self.skip_step(diverged=True)
             return True
@@ -150,7 +151,7 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
             self.monitor.divergences += 1
         self.skipped_steps += 1
         self.record.skipped = True
-        if self.snapshot.valid:
+        if self.jump_open:
             self.rollback()  # which makes up this step with the jump's
         else:
             self.made_up_steps += 1
@@ -187,7 +188,7 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
                 self.predictor.turn_passed()
             phase = self.controller.phase
             over = record.phase is Phase.CORRECT or (record.phase is Phase.PREDICT and phase is not Phase.PREDICT)
-            if over and phase is not Phase.CORRECT and not self.settings.hybrid_payoff_check:
+            if over and phase is not Phase.CORRECT and not self.config.checks.payoff_check:
                 # Without the probe verdict, a jump that came through its last step (its last Correct step, or its
                 # Predict step when it has no Correct phase, as the outer one) is the only sign that prediction pays;
                 # without this, back-off could only grow.

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from ..loop.divergence import DivergenceMonitor
     from ..loop.replay import BatchReplay
     from ..memory.snapshot import WeightSnapshot
+    from .config import JumpsConfig
     from .dynamics import LossDynamicsModel
     from .engine import StepRecord
     from .payoff import PayoffMeter
@@ -28,7 +29,7 @@ class JumpLifecycle:
     """Open, watch, judge and undo a Predict phase. Mixed into `HybridEngine`; what it uses of the engine is
     declared below (`shards()` and `_release()` too)."""
 
-    settings: object  # the hybrid_* flags
+    config: JumpsConfig
     controller: PhaseController
     predictor: Predictor
     snapshot: WeightSnapshot  # the undo copy of the weights
@@ -44,6 +45,11 @@ class JumpLifecycle:
     jump_start_step: int | None
     undone_steps: int
     made_up_steps: int
+
+    @property
+    def jump_open(self) -> bool:
+        """Whether a jump was made and awaits its verdict: its undo copy is held until then."""
+        return self.snapshot.valid
 
     def open_jump(self, step: int) -> None:
         """At a Predict phase's first step: keep what is needed to undo it."""
@@ -104,7 +110,7 @@ class JumpLifecycle:
         """Whether this Predict step runs a forward pass to check the loss."""
         k = self.controller.steps_in_phase
         last = k + 1 >= self.controller.planned_predict_steps
-        return last or (k + 1) % self.settings.hybrid_monitor_interval == 0
+        return last or (k + 1) % self.config.checks.monitor_interval == 0
 
     def check_predict_step(self, loss: float | None) -> None:
         """At the end of a Predict step: roll back if the monitored loss left the forecast band."""
@@ -123,7 +129,7 @@ class JumpLifecycle:
 
     def rollback(self) -> None:
         """Undo the Predict phase: last good weights, back to Full."""
-        if self.snapshot.valid:
+        if self.jump_open:
             self.snapshot.restore(self.shards())
             self.snapshot.release()
             self.predictor.jump_undone()
@@ -142,7 +148,7 @@ class JumpLifecycle:
 
     def finish(self) -> None:
         """At the end of training: a jump still awaiting its probe verdict is undone."""
-        if self.probe is not None and self.snapshot.valid:
+        if self.probe is not None and self.jump_open:
             self.snapshot.restore(self.shards())
             self.snapshot.release()
             self._drop_probe()

@@ -37,12 +37,12 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 @dataclass
 class PayoffMeter:
-    forward_cost: float = 0.35
+    forward_cost: float  # --hybrid_predict_step_cost
+    noise_margin: float  # --hybrid_probe_noise_margin: standard errors of the gain a kept jump must clear
     accumulation: int = 1  # micro-batches per optimizer step
     unmonitored_cost: float = 0.02
     window: int = 64
     smoothing: float = 0.3
-    noise_margin: float = 2.0  # standard errors of the gain that a kept jump must clear plain training's by
     clock: float = 0.0
     history: deque = field(default_factory=deque)
     start_clock: float | None = None

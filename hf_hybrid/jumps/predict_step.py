@@ -27,7 +27,7 @@ def predict_training_step(trainer: HybridTrainer, model: torch.nn.Module, inputs
     probe_items = num_items_in_batch if probe_is_the_step else None
     if first_micro_batch:
         at_anchor = False
-        if engine.starts_prediction and trainer.hybrid_settings.hybrid_payoff_check:
+        if engine.starts_prediction and engine.config.checks.payoff_check:
             probe = trainer.prepare_inputs(inputs)
             loss, rows = probe_loss_by_sequence(trainer, model, probe, probe_items)
             engine.set_probe(probe, trainer.reduce_across_ranks(loss)[0], rows)

@@ -22,8 +22,8 @@ def non_finite(loss: float, grad_norm: float | None = None) -> str | None:
 
 @dataclass
 class DivergenceMonitor:
-    band_sigmas: float = 3.0
-    grad_explosion_factor: float = 10.0
+    band_sigmas: float  # --hybrid_loss_band
+    grad_explosion_factor: float  # --hybrid_grad_explosion_factor
     level_decay: float = 0.7
     noise_decay: float = 0.95
     min_observations: int = 5

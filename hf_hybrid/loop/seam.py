@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 if TYPE_CHECKING:
+    from ..config import HybridConfig
     from ..jumps.engine import HybridEngine
     from .step_veto import StepVeto
 
@@ -28,6 +29,7 @@ class StepLosses:
 class HybridTrainer(Protocol):
     """A `transformers.Trainer` that also offers the loop parts these."""
 
+    hybrid_config: HybridConfig  # the run's settings, by capability
     step_veto: StepVeto  # vetoed, undone and made-up steps, and the schedule's state at a jump
     step_losses: StepLosses
 

@@ -147,7 +147,7 @@ class CountedStepSchedule(TrainerCallback):
             if state.global_step % every == 0:  # DefaultFlowCallback's own reason to evaluate
                 control.should_evaluate = False
             due = counted >= engine.evaluated_count + every and counted >= args.eval_delay
-            if due and not engine.snapshot.valid:  # not inside a jump still waiting for its verdict
+            if due and not engine.jump_open:  # not inside a jump still waiting for its verdict
                 control.should_evaluate = True
                 engine.evaluated_count = counted // every * every
 

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-from torch import Tensor
-
 from .adam import AdamPredictor
 from .base import Predictor
 from .outer import OuterMomentumPredictor
@@ -15,16 +12,4 @@ PREDICTORS: dict[str, type[Predictor]] = {
 }
 
 
-def build_predictor(settings, params: list[Tensor], optimizer: torch.optim.Optimizer) -> Predictor:
-    """The predictor `settings.hybrid_predictor` names, with its own `hybrid_*` settings."""
-    name = settings.hybrid_predictor
-    kwargs = {}
-    if name == "velocity":
-        kwargs = {"beta": settings.hybrid_velocity_beta}
-    elif name == "outer":
-        kwargs = {"period": settings.hybrid_outer_period, "outer_lr": settings.hybrid_outer_lr,
-                  "momentum": settings.hybrid_outer_momentum}
-    return PREDICTORS[name](params, optimizer, **kwargs)
-
-
-__all__ = ["PREDICTORS", "AdamPredictor", "OuterMomentumPredictor", "Predictor", "VelocityPredictor", "build_predictor"]
+__all__ = ["PREDICTORS", "AdamPredictor", "OuterMomentumPredictor", "Predictor", "VelocityPredictor"]

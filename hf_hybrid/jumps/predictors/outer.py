@@ -43,8 +43,8 @@ class OuterMomentumPredictor(Predictor):
     uses_updates = False
     uses_forecast = False  # the period schedules its jumps and the probe judges them
 
-    def __init__(self, params: list[Tensor], optimizer: torch.optim.Optimizer, period: int = 30,
-                 outer_lr: float = 0.6, momentum: float = 0.9) -> None:
+    def __init__(self, params: list[Tensor], optimizer: torch.optim.Optimizer, period: int, outer_lr: float,
+                 momentum: float) -> None:
         super().__init__(params, optimizer)
         self.period, self.outer_lr, self.momentum = period, outer_lr, momentum
         # Under DDP every rank holds the same weights, so rank 0 alone keeps the outer state and computes each jump,

@@ -18,7 +18,7 @@ class VelocityPredictor(StepwisePredictor):
     name = "velocity"
     flags = (*StepwisePredictor.flags, "hybrid_velocity_beta")
 
-    def __init__(self, params: list[Tensor], optimizer: torch.optim.Optimizer, beta: float = 0.95) -> None:
+    def __init__(self, params: list[Tensor], optimizer: torch.optim.Optimizer, beta: float) -> None:
         super().__init__(params, optimizer)
         self.beta = beta
         self.velocity = [torch.zeros_like(local_shard(p)) for p in params]
