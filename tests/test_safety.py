@@ -313,8 +313,8 @@ def test_repeated_rejections_retire_prediction_and_give_back_its_buffers(tmp_pat
     assert engine.predictor.velocity == [] and engine.snapshot.tensors is None and engine._anchor is None
     real_steps = sum(1 for r in rows if r["phase"] is not Phase.PREDICT)
     assert engine.dynamics.steps < real_steps - 30  # it stopped observing at the retirement
-    trainer._hybrid_pending_state = engine.state_dict()
     resumed = trainer._build_engine()
+    resumed.load_state_dict(engine.state_dict())
     assert resumed.controller.retired and resumed.predictor.velocity == []
     # A first Correct step vetoed by a NaN under the fp16 GradScaler still calls the pre-step hook: it must not
     # reach for the freed buffers.
