@@ -98,7 +98,7 @@ def next_step_line(trainer, model: torch.nn.Module, shards: list[torch.Tensor], 
     """The probe's loss at the weights W, at W + c*step and at W + 2c*step (c = SPACING), unreduced across ranks.
     `shards` are the weights (local shards); `scratch` holds W meanwhile and is released after."""
     scratch.capture(shards)
-    optimizer = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
+    optimizer = trainer.hybrid_engine.optimizer  # the optimizer itself, unwrapped from accelerate's
     step_groups = _step_groups(optimizer, lists=shards[0].device.type != "cpu")
     losses = [probe_loss(trainer, model, probe)]
     for _ in range(2):

@@ -60,10 +60,15 @@ def lr_autopilot_missing(config: HybridConfig) -> list[str] | None:
                                  "--hybrid_guard_snapshot_steps > 0"]
 
 
+def inner_scheduler(trainer):
+    """The Trainer's scheduler itself, unwrapped from accelerate's."""
+    return getattr(trainer.lr_scheduler, "scheduler", trainer.lr_scheduler)
+
+
 def scalable_schedule(trainer) -> bool:
     """Whether the Trainer's scheduler scales with its base learning rates (a `LambdaLR`: every named schedule but
     `reduce_lr_on_plateau`)."""
-    scheduler = getattr(trainer.lr_scheduler, "scheduler", trainer.lr_scheduler)
+    scheduler = inner_scheduler(trainer)
     return hasattr(scheduler, "base_lrs") and hasattr(scheduler, "lr_lambdas")
 
 
@@ -96,7 +101,7 @@ class LrAutopilot:
 
     @property
     def _scheduler(self):
-        return getattr(self.trainer.lr_scheduler, "scheduler", self.trainer.lr_scheduler)
+        return inner_scheduler(self.trainer)
 
     def _apply(self) -> None:
         """Base learning rates = the user's x the scale; the learning rate in effect follows at once."""

@@ -20,7 +20,7 @@ from torch import Tensor
 from ..loop.divergence import DivergenceMonitor, non_finite
 from ..loop.epoch_seed import EpochSeedDraw
 from ..loop.replay import BatchReplay, Unit
-from ..memory.shards import local_shard
+from ..memory.shards import local_shards
 from ..memory.snapshot import WeightSnapshot
 from .config import JumpsConfig
 from .controller import PHASE_IDS, Phase, PhaseController
@@ -210,7 +210,7 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
     def shards(self) -> list[Tensor]:
         """The parameters' local shards (the parameters themselves without FSDP2): everything the engine does to
         weights is element-wise on these, so it needs no communication."""
-        return [local_shard(p) for p in self.params]
+        return local_shards(self.params)
 
     # ---- reporting and checkpoints --------------------------------------------------------------
 

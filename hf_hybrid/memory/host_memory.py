@@ -17,7 +17,6 @@ from typing import NamedTuple
 
 from torch import Tensor
 
-from .shards import local_shard
 from .snapshot import TrainingSnapshot
 
 _GB = 1e9
@@ -95,7 +94,7 @@ def rollback_state_bytes(engine, snapshot: TrainingSnapshot) -> RollbackStateByt
     """On this rank: the predictor's host copies (none once it is released), the guard's copies of the optimizer's
     state (exact once it has taken them), the guard's own copy of the weights, and on an accelerator with
     `--hybrid_offload_snapshot` the jump's undo copy."""
-    shards = [local_shard(p) for p in engine.params]
+    shards = engine.shards()
     param_bytes = sum(_nbytes(t) for t in shards)
     copies, buffers = engine.predictor.host_buffers()
     held, guard = sum(_nbytes(t) for t in buffers), 0

@@ -15,6 +15,11 @@ def local_shard(t: Tensor) -> Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def local_shards(params: list[Tensor]) -> list[Tensor]:
+    """Each parameter's `local_shard`, looked up now."""
+    return [local_shard(p) for p in params]
+
+
 def load_tensors(live: list[Tensor], saved: list[Tensor], what: str) -> None:
     """Copy a checkpoint's parameter-sized tensors into this run's buffers, refusing a layout that does not match."""
     if len(saved) != len(live) or any(s.shape != t.shape for s, t in zip(saved, live)):

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .host_buffers import HostCopies, host_like, release_cached_pinned_memory
-from .shards import load_tensors, local_shard
+from .shards import load_tensors, local_shard, local_shards
 
 
 class WeightSnapshot:
@@ -148,7 +148,7 @@ class TrainingSnapshot:
                 # a trial, so it goes back to the system, at one device synchronization, rather than staying pinned.
                 release_cached_pinned_memory()
         else:
-            self.weights.capture([local_shard(p) for p in params])
+            self.weights.capture(local_shards(params))
         self._on_held_weights = on_held_weights
         if self.holds_copy and state:
             self.optimizer_state.capture(state)
@@ -167,7 +167,7 @@ class TrainingSnapshot:
                 "Keep the optimizer and its parameter groups fixed during training, or pass "
                 "--hybrid_guard_snapshot_steps 0 to let the guard only skip steps."
             )
-        weights = [local_shard(p) for p in params]
+        weights = local_shards(params)
         state, counters = _split_counters(tensors)
         if self.holds_copy:
             self.weights.restore(weights)

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ...memory.host_buffers import HostCopies, host_like
-from ...memory.shards import load_tensors, local_shard
+from ...memory.shards import load_tensors, local_shards
 from .base import Predictor
 
 
@@ -70,9 +70,6 @@ class OuterMomentumPredictor(Predictor):
     def ready(self) -> bool:
         return self.keeps_weights
 
-    def _shards(self) -> list[Tensor]:
-        return [local_shard(p) for p in self.params]
-
     @torch.no_grad()
     def _observe(self, updates: list[Tensor], lr: float) -> None:
         if not self.anchored:  # the first real step after a start anchors the next cycle
@@ -85,7 +82,7 @@ class OuterMomentumPredictor(Predictor):
         if not self.anchor_due:
             return False
         if self.holds_state:
-            shards = self._shards()
+            shards = local_shards(self.params)
             if self.anchor is None:  # the first cycle, or the first kept jump's momentum took the last anchor's buffers
                 if make_room is not None:
                     make_room()
@@ -109,12 +106,12 @@ class OuterMomentumPredictor(Predictor):
     def load_anchor(self) -> None:
         """Put the anchor's weights into the parameters (every rank), for the probe's loss at the cycle's start."""
         if self.holds_state:
-            self.copies.copy(self._shards(), self.anchor)
+            self.copies.copy(local_shards(self.params), self.anchor)
         self._broadcast_weights()
 
     def _broadcast_weights(self) -> None:
         if self.replicated:
-            for shard in self._shards():
+            for shard in local_shards(self.params):
                 dist.broadcast(shard, src=0)
 
     def restart(self) -> None:
@@ -137,7 +134,7 @@ class OuterMomentumPredictor(Predictor):
         # anchor - a * (g + m * (m * buf + g)) = weights + (1 - a - a * m) * g - a * m^2 * buf, with the
         # pseudo-gradient g = anchor - weights one tensor at a time: the anchor stays the guard's copy of the weights.
         fetch = self.copies.fetch
-        for i, (shard, anchor) in enumerate(zip(self._shards(), self.anchor or [])):
+        for i, (shard, anchor) in enumerate(zip(local_shards(self.params), self.anchor or [])):
             if start is None:
                 g = fetch(anchor, shard.device) - shard
             else:
@@ -158,9 +155,9 @@ class OuterMomentumPredictor(Predictor):
         first = self.holds_state and not self.buf
         take_anchor = first and anchor_free
         if first and not take_anchor:
-            self.buf = [b.zero_() for b in host_like(self._shards())]
+            self.buf = [b.zero_() for b in host_like(local_shards(self.params))]
         fetch = self.copies.fetch
-        for i, (anchor, start, shard) in enumerate(zip(self.anchor or [], before, self._shards())):
+        for i, (anchor, start, shard) in enumerate(zip(self.anchor or [], before, local_shards(self.params))):
             buf = anchor if take_anchor else self.buf[i]
             step = fetch(anchor, shard.device) - fetch(start, shard.device)
             # + 0.0 as the zero momentum's `0 * m + step` did: a -0.0 pseudo-gradient is kept +0.0, bit for bit.
@@ -194,11 +191,11 @@ class OuterMomentumPredictor(Predictor):
         self.anchored = state["anchored"]
         self.anchor = None
         if self.holds_state and self.anchored and state["anchor"]:  # none after a first kept jump took its buffers
-            self.anchor = host_like(self._shards())
+            self.anchor = host_like(local_shards(self.params))
             load_tensors(self.anchor, state["anchor"], "outer anchor")
         self.buf = []
         if self.holds_state and state["buf"]:
-            self.buf = host_like(self._shards())
+            self.buf = host_like(local_shards(self.params))
             load_tensors(self.buf, state["buf"], "outer momentum")
         self.cycle_steps = state["cycle_steps"]
         self.anchor_due = state["anchor_due"]
