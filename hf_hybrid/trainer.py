@@ -187,7 +187,7 @@ class HybridMixin:
             self.step_veto.make_up(1, self.step_veto.skipped_schedule)
         guard_action = self._guard_loop.end_step(control) if self._guard_loop is not None else None
         autopilot = self._lr_autopilot
-        next_phase = engine.end_step(hold=autopilot is not None and autopilot.scale.steps_long_enough,
+        next_phase = engine.end_step(pass_turn=autopilot is not None and autopilot.scale.steps_long_enough,
                                      anchor_free=self._guard_loop is None or not self._guard_loop.stands_on_anchor)
         if autopilot is not None:
             real_step = record.phase.has_backward and not (record.skipped or record.rollback)

@@ -218,7 +218,7 @@ def test_a_held_turn_passes_without_a_jump_or_back_off_and_the_next_turn_comes_a
     phases = []
     for step in range(11):
         phases.append(c.phase.value)
-        c.end_step(1.0, True, hold=step < 7)  # held at the turns after steps 3 and 6, not at the one after 9
+        c.end_step(1.0, True, pass_turn=step < 7)  # passed at the turns after steps 3 and 6, not at the one after 9
     assert phases == ["warmup"] + ["full"] * 9 + ["predict"]
     assert (c.passes, c.backoff, c.rollbacks, c.consecutive_rejections) == (2, 0, 0, 0)
     restored = PhaseController(c.config)

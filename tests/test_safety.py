@@ -310,7 +310,7 @@ def test_repeated_rejections_retire_prediction_and_give_back_its_buffers(tmp_pat
     assert len(rows) - rollbacks[-1] > 30  # a long stretch that would have held a fourth attempt
     engine = trainer._hybrid
     assert engine.controller.retired and engine.log_metrics()["hybrid/retired"] == 1.0
-    assert engine.predictor.velocity == [] and engine.snapshot.tensors is None and engine._anchor is None
+    assert engine.predictor.velocity == [] and engine.snapshot.tensors is None and engine._before_step is None
     real_steps = sum(1 for r in rows if r["phase"] is not Phase.PREDICT)
     assert engine.dynamics.steps < real_steps - 30  # it stopped observing at the retirement
     resumed = trainer._build_engine()
@@ -320,7 +320,7 @@ def test_repeated_rejections_retire_prediction_and_give_back_its_buffers(tmp_pat
     # reach for the freed buffers.
     engine.record = StepRecord(step=0, phase=Phase.CORRECT, rollback=True)
     engine.before_optimizer_step(1e-3)
-    assert engine._anchor is None and engine._predicted is None
+    assert engine._before_step is None and engine._predicted is None
 
     trainer, rows = train_recorded(tmp_path / "never", hybrid_payoff_check=True, max_steps=120,
                                    hybrid_max_rejections=0, hybrid_lr_autopilot=False)

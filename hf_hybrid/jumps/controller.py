@@ -87,7 +87,7 @@ class PhaseController:
     check_misses: int = 0
     phase_steps: dict[str, int] = field(default_factory=lambda: {p.value: 0 for p in Phase})
     rollbacks: int = 0
-    passes: int = 0  # turns passed on `hold`
+    passes: int = 0  # turns passed on `pass_turn`
 
     def __post_init__(self) -> None:
         if self.config.warmup_steps == 0 and self.phase is Phase.WARMUP:
@@ -138,8 +138,8 @@ class PhaseController:
         self.steps_in_phase = 0
         self.check_delay = self.check_misses = 0
 
-    def end_step(self, confidence: float, predictor_ready: bool, hold: bool = False) -> Phase:
-        """Account for the optimizer step just taken in `self.phase`; return the next step's phase. `hold`: the
+    def end_step(self, confidence: float, predictor_ready: bool, pass_turn: bool = False) -> Phase:
+        """Account for the optimizer step just taken in `self.phase`; return the next step's phase. `pass_turn`: the
         evidence says the steps are long enough; a Predict phase that would start passes its turn (a new Full phase,
         no back-off)."""
         cfg = self.config
@@ -151,7 +151,7 @@ class PhaseController:
         elif self.phase is Phase.FULL:
             if self.retired or self.steps_in_phase < self.full_required + self.check_delay:
                 return self.phase
-            if predictor_ready and hold:
+            if predictor_ready and pass_turn:
                 self.passes += 1
                 self._enter(Phase.FULL)
             elif predictor_ready and self._confident(confidence):

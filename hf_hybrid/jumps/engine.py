@@ -64,11 +64,11 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
         self.snapshot = WeightSnapshot(on_host=config.offload_snapshot)
         self.replay = BatchReplay()
         self.epoch_seed = EpochSeedDraw()
-        self._anchor: list[Tensor] | None = None  # parameters before a real optimizer step, while it runs
-        # On an accelerator the anchor is freed after each step: the caching allocator hands the same blocks back,
+        self._before_step: list[Tensor] | None = None  # parameters before a real optimizer step, while it runs
+        # On an accelerator the copy is freed after each step: the caching allocator hands the same blocks back,
         # and a buffer that lives only around the optimizer step stays out of the forward and backward's peak. On
         # the host it is kept, because glibc would map and unmap it every step.
-        self._keep_anchor = not params[0].is_cuda
+        self._keep_before_step = not params[0].is_cuda
         self._measured_last = True  # whether the last real step's update was measured (False: a gap since)
         self._predicted: list[Tensor] | None = None
         self.skipped_steps = 0
@@ -172,10 +172,10 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
         """Retired: prediction stopped paying, so its parameter-sized buffers are given back for good."""
         self.snapshot.release()
         self.predictor.release()
-        self._anchor = self._predicted = None
+        self._before_step = self._predicted = None
 
-    def end_step(self, hold: bool = False, anchor_free: bool = False) -> Phase:
-        """After the optimizer step: decide the next step's phase (`hold`: pass a turn to predict, see
+    def end_step(self, pass_turn: bool = False, anchor_free: bool = False) -> Phase:
+        """After the optimizer step: decide the next step's phase (`pass_turn`: pass a turn to predict, see
         autopilot/scale.py;
         `anchor_free`: see `Predictor.jump_kept`)."""
         record, passes = self.record, self.controller.passes
@@ -183,7 +183,7 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
             if self._forecasting and self.controller.confidence_due:
                 self.confidence = self.dynamics.confidence()
             ready = self.predictor.ready and (self.dynamics.ready or not self.predictor.uses_forecast)
-            self.controller.end_step(self.confidence, ready, hold)
+            self.controller.end_step(self.confidence, ready, pass_turn)
             if self.controller.passes > passes:
                 self.predictor.turn_passed()
             phase = self.controller.phase
@@ -202,8 +202,8 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
             self.replay.settle()
             self.jump_start_step = self.schedule_at_jump = None
         self._predicted = None
-        if not self._keep_anchor:
-            self._anchor = None
+        if not self._keep_before_step:
+            self._before_step = None
         self.last_record, self.record = record, None
         return self.controller.phase
 

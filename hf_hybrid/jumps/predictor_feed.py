@@ -26,7 +26,7 @@ class PredictorFeed:
     predictor: Predictor
     controller: PhaseController
     record: StepRecord  # the optimizer step under way
-    _anchor: list[Tensor] | None  # the parameters before the optimizer step, while it runs
+    _before_step: list[Tensor] | None  # the parameters before the optimizer step, while it runs
     _predicted: list[Tensor] | None  # on a Correct step, what the predictor would have applied
     _measured_last: bool  # whether the last real step's update was measured (False: a gap since)
 
@@ -42,10 +42,10 @@ class PredictorFeed:
         if not self._measured_last:
             self.predictor.restart()
         shards = self.shards()
-        if self._anchor is None:
-            self._anchor = [torch.empty_like(p) for p in shards]
+        if self._before_step is None:
+            self._before_step = [torch.empty_like(p) for p in shards]
         # One multi-tensor kernel per group instead of a launch per parameter: on a GPU, launches dominate.
-        torch._foreach_copy_(self._anchor, shards)
+        torch._foreach_copy_(self._before_step, shards)
         if self.record.phase is Phase.CORRECT:
             self._predicted = [self.predictor.direction(i, p, lr) for i, p in enumerate(shards)]
 
@@ -68,7 +68,7 @@ class PredictorFeed:
             if not self.predictor.uses_updates:
                 self.predictor.observe([], lr)
             return
-        updates = self._anchor
+        updates = self._before_step
         torch._foreach_neg_(updates)
         torch._foreach_add_(updates, self.shards())  # in place: the anchor buffer now holds (after - before)
         if self._predicted is not None:
