@@ -222,7 +222,7 @@ class HybridConfig(FlagSettings):
     autopilot: AutopilotConfig = section(AutopilotConfig)
 
     def __post_init__(self) -> None:
-        self.require("vram_min_free_mb", self.vram_min_free_mb >= 0, "must be >= 0")
+        self.at_least(0, "vram_min_free_mb")
 
 
 HYBRID_FIELDS = [f for f in fields(HybridTrainingArguments) if f.name.startswith("hybrid")]

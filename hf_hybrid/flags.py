@@ -46,6 +46,16 @@ class FlagSettings:
             names += f.metadata["section"].flag_names() if "section" in f.metadata else []
         return names
 
+    def at_least(self, bound: int, *names: str) -> None:
+        """Each named field must be >= `bound`."""
+        for name in names:
+            self.require(name, getattr(self, name) >= bound, f"must be >= {bound}")
+
+    def positive(self, *names: str) -> None:
+        """Each named field must be > 0."""
+        for name in names:
+            self.require(name, getattr(self, name) > 0, "must be > 0")
+
     def require(self, name: str, ok: bool, why: str) -> None:
         """Raise ValueError naming the flag behind field `name` unless `ok`."""
         if not ok:

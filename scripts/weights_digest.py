@@ -49,10 +49,16 @@ def main() -> None:
     preset["learning_rate"] *= args.lr_scale
     if args.max_steps:
         preset["max_steps"] = args.max_steps
-    built = []
-    for module in (arms, faults):  # keep the model the arm trains
-        original = module.build_model_and_data
-        module.build_model_and_data = lambda *a, _original=original, **k: built.append(_original(*a, **k)) or built[-1]
+    built = []  # the (model, datasets, eval set) each arm builds: the model is the one it trains
+
+    def keeping(build):
+        def build_and_keep(*args, **kwargs):
+            built.append(build(*args, **kwargs))
+            return built[-1]
+        return build_and_keep
+
+    for module in (arms, faults):
+        module.build_model_and_data = keeping(module.build_model_and_data)
     out = Path(args.output_dir) / args.preset
     if args.faults:
         preset["eval_steps"] = max(preset["max_steps"] // 10, 1)  # as the faults mode sets it

@@ -17,11 +17,9 @@ class GuardConfig(FlagSettings):
     max_rollbacks: int = flag("hybrid_guard_max_rollbacks")
 
     def __post_init__(self) -> None:
-        for name in ("window", "max_skips"):
-            self.require(name, getattr(self, name) >= 1, "must be >= 1")
-        for name in ("snapshot_steps", "max_rollbacks"):
-            self.require(name, getattr(self, name) >= 0, "must be >= 0")
-        self.require("threshold", self.threshold > 0, "must be > 0")
+        self.at_least(1, "window", "max_skips")
+        self.at_least(0, "snapshot_steps", "max_rollbacks")
+        self.positive("threshold")
 
     @property
     def snapshots(self) -> bool:

@@ -23,8 +23,8 @@ class PredictorConfig(FlagSettings):
         self.require("name", self.name in PREDICTORS, f"must be one of {sorted(PREDICTORS)}")
         for name in ("velocity_beta", "outer_momentum"):
             self.require(name, 0.0 <= getattr(self, name) < 1.0, "must be in [0, 1)")
-        self.require("outer_period", self.outer_period >= 1, "must be >= 1")
-        self.require("outer_lr", self.outer_lr > 0, "must be > 0")
+        self.at_least(1, "outer_period")
+        self.positive("outer_lr")
 
     def predictor_kwargs(self) -> dict:
         """The constructor arguments of the named predictor."""
@@ -47,10 +47,9 @@ class ChecksConfig(FlagSettings):
     predict_step_cost: float = flag("hybrid_predict_step_cost")
 
     def __post_init__(self) -> None:
-        self.require("monitor_interval", self.monitor_interval >= 1, "must be >= 1")
-        for name in ("loss_band", "grad_explosion_factor", "predict_step_cost"):
-            self.require(name, getattr(self, name) > 0, "must be > 0")
-        self.require("probe_noise_margin", self.probe_noise_margin >= 0, "must be >= 0")
+        self.at_least(1, "monitor_interval")
+        self.positive("loss_band", "grad_explosion_factor", "predict_step_cost")
+        self.at_least(0, "probe_noise_margin")
 
 
 @dataclass(frozen=True)

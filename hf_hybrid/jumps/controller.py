@@ -64,10 +64,8 @@ class ControllerConfig(FlagSettings):
     confidence_interval: int = 10
 
     def __post_init__(self) -> None:
-        for name in ("warmup_steps", "correct_steps", "max_rejections", "max_backoff"):
-            self.require(name, getattr(self, name) >= 0, "must be >= 0")
-        for name in ("full_steps", "min_predict_steps", "max_consecutive_predicts", "confidence_interval"):
-            self.require(name, getattr(self, name) >= 1, "must be >= 1")
+        self.at_least(0, "warmup_steps", "correct_steps", "max_rejections", "max_backoff")
+        self.at_least(1, "full_steps", "min_predict_steps", "max_consecutive_predicts", "confidence_interval")
         self.require("max_predict_steps", self.max_predict_steps >= self.min_predict_steps,
                      f"must be >= hybrid_min_predict_steps ({self.min_predict_steps})")
         self.require("confidence_threshold", 0.0 <= self.confidence_threshold <= 1.0, "must be in [0, 1]")
