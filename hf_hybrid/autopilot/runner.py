@@ -26,6 +26,7 @@ from transformers.utils import logging
 from ..guard.runner import GuardAtLoop
 from ..loop.seam import HybridTrainer
 from ..memory.snapshot import WeightSnapshot
+from .cooldown import cooldown_start, cooled_scale
 from .line import SPACING, adam_family, next_step_line
 from .scale import LrScale
 from .verdict import raise_gain
@@ -103,11 +104,19 @@ class LrAutopilot:
     def _scheduler(self):
         return inner_scheduler(self.trainer)
 
+    def _cooldown_start(self) -> int | None:
+        return cooldown_start(self._scheduler.lr_lambdas, self.trainer.state.max_steps)
+
+    def _scale_in_effect(self) -> float:
+        """The judged scale, or on its way back to 1 in the cooldown (autopilot/cooldown.py)."""
+        return cooled_scale(self.scale.scale, self._scheduler.last_epoch, self._cooldown_start(),
+                            self.trainer.state.max_steps)
+
     def _apply(self) -> None:
-        """Base learning rates = the user's x the scale; the learning rate in effect follows at once."""
-        scheduler = self._scheduler
+        """Base learning rates = the user's x the scale in effect; the learning rate in effect follows at once."""
+        scheduler, scale = self._scheduler, self._scale_in_effect()
         for i, group in enumerate(self.trainer.optimizer.param_groups):
-            base = self.user_base_lrs[i] * self.scale.scale
+            base = self.user_base_lrs[i] * scale
             lr = float(group["lr"]) * base / scheduler.base_lrs[i] if scheduler.base_lrs[i] else base
             scheduler.base_lrs[i] = base
             if isinstance(group["lr"], torch.Tensor):  # a fused or capturable optimizer's device tensor
@@ -120,6 +129,11 @@ class LrAutopilot:
         scheduler = self._scheduler
         return min(f(scheduler.last_epoch) for f in scheduler.lr_lambdas)
 
+    def _raises_end(self) -> int:
+        """Where the scale stops being judged: the cooldown's start, else the run's end."""
+        start = self._cooldown_start()
+        return self.trainer.state.max_steps if start is None else start
+
     def _raise_from(self) -> int:
         """The first step at which a raise may start: past the schedule's warmup and the first descent's last steps."""
         return self.trainer.args.get_warmup_steps(self.trainer.state.max_steps) + FIRST_DESCENT_STEPS
@@ -128,11 +142,10 @@ class LrAutopilot:
         """No raise starts before `_raise_from`, where a run's first descent reads as a line tens of steps long at any
         LR (measured on cpu-long at a fifth of the swept LR: 78 and 189 steps at steps 21 and 31, which raised it to
         twice the swept LR and ended 0.06 above the Trainer), nor in the schedule's final decay (below half its
-        peak), nor where the run would end before its verdict, READ_EVERY steps on (a constant schedule has no decay
-        to stop it: `cpu-small` with faults raised its own LR 2.5x 3 steps before the end)."""
-        state = self.trainer.state
+        peak), nor where the run or the judged scale would end before its verdict, READ_EVERY steps on (`cpu-small`
+        with faults raised its own LR 2.5x 3 steps before the end)."""
         return (self._scheduler.last_epoch < self._raise_from() or self._schedule_factor() < 0.5
-                or state.max_steps - state.global_step < READ_EVERY)
+                or self._raises_end() - self.trainer.state.global_step < READ_EVERY)
 
     def _wants_reading(self, step: int, real_step: bool) -> bool:
         engine = self.trainer.hybrid_engine
@@ -172,10 +185,14 @@ class LrAutopilot:
                 self._undo(step, before)
             self.readings_here += 1
             self.reading_seconds += self._clock() - started
-        if scale.scale != before:
+        if scale.scale != before or self._cooling():
             self._apply()
         if not scale.on_trial:
             replay.end_trial()
+
+    def _cooling(self) -> bool:
+        start = self._cooldown_start()
+        return start is not None and self._scheduler.last_epoch > start and self.scale.scale != 1.0
 
     def _clock(self) -> float:
         """Wall time, once the device's queued work is done: a reading reads its losses on the host anyway."""
@@ -222,6 +239,12 @@ class LrAutopilot:
                       f"--learning_rate {user:.2g} stands")
             return (f"hf_hybrid: training ended before a {s.trial_raise:.1f}x raise of the learning rate "
                     f"({judged:.2g} -> {self.learning_rate:.2g}) could be judged ({tried}); {advice}.")
+        if s.scale != 1.0 and self._cooling():
+            return (f"hf_hybrid: raised the learning rate {s.scale:.1f}x: {user:.2g} -> {self.learning_rate:.2g} "
+                    f"({tried}), and brought it back to {user:.2g} over the last "
+                    f"{self.trainer.state.max_steps - self._cooldown_start()} steps, since this schedule has no decay "
+                    f"of its own; a constant {self.learning_rate:.2g} is not advised: a higher constant learning rate "
+                    f"can end a run higher.")
         if s.scale != 1.0:
             return (f"hf_hybrid: raised the learning rate {s.scale:.1f}x: {user:.2g} -> {self.learning_rate:.2g} "
                     f"({tried}); pass --learning_rate {self.learning_rate:.2g} next time.")

@@ -1,0 +1,94 @@
+"""The raised scale's way back to the user's LR where the schedule has no decay of its own (autopilot/cooldown.py),
+and the short-horizon trap it answers (issue 49)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from transformers import Trainer, TrainingArguments
+
+from hf_hybrid import HybridHFTrainer, HybridTrainingArguments
+from hf_hybrid.autopilot.cooldown import cooldown_start, cooled_scale
+from hf_hybrid.autopilot.line import SPACING
+
+from .conftest import hybrid_args, make_trainer, tiny_gpt2, token_dataset
+from .test_equivalence_resume import assert_bit_identical, state
+from .test_lr_advice import OUTER
+
+
+def test_the_scale_comes_back_over_the_last_fifth_only_where_the_schedule_ends_high():
+    constant, linear = [lambda step: 1.0] * 2, [lambda step: 1.0 - step / 400] * 2
+    assert cooldown_start(constant, 400) == 320 and cooldown_start(linear, 400) is None
+    assert [cooled_scale(4.0, p, 320, 400) for p in (0, 320, 360, 399, 400)] == [4.0, 4.0, 2.5, 1.0375, 1.0]
+    assert cooled_scale(4.0, 399, None, 400) == 4.0  # a decaying schedule takes the scale down itself
+    assert cooled_scale(1.0, 399, 320, 400) == 1.0
+
+
+def _constant_run(output_dir, **overrides) -> HybridHFTrainer:
+    return make_trainer(output_dir, learning_rate=1e-4, lr_scheduler_type="constant",
+                        **{**OUTER, "max_steps": 50, "logging_steps": 1, **overrides})
+
+
+def test_a_raised_constant_schedule_ends_at_the_users_lr_and_says_so(tmp_out, monkeypatch, caplog):
+    """Every line reads 10 steps: the raise is kept, holds until the last fifth (step 40), then the LR falls each
+    step to the user's at the end; the end line says so and advises no higher constant LR."""
+    monkeypatch.setattr("hf_hybrid.autopilot.scale.reach_of_line", lambda f0, f1, f2: 10.0 / SPACING)
+    trainer = _constant_run(tmp_out)
+    with caplog.at_level(logging.WARNING):
+        trainer.train()
+    scale = trainer._lr_autopilot.scale
+    assert scale.scale > 1.0 and scale.raises_kept >= 1 and not scale.on_trial
+    lrs = [entry["learning_rate"] for entry in trainer.state.log_history if "learning_rate" in entry]
+    assert lrs[40] == pytest.approx(1e-4 * scale.scale)  # the judged scale, up to the cooldown
+    assert all(a > b for a, b in zip(lrs[40:], lrs[41:])) and lrs[-1] < 1e-4 * (1 + (scale.scale - 1) / 9)
+    assert trainer.lr_scheduler.get_last_lr() == [pytest.approx(1e-4)] * 2  # the run ends at the user's LR
+    assert "and brought it back to 0.0001 over the last 10 steps" in caplog.text
+    assert "next time" not in caplog.text
+
+
+def test_resume_in_the_cooldown_is_bit_identical(tmp_path, monkeypatch):
+    monkeypatch.setattr("hf_hybrid.autopilot.scale.reach_of_line", lambda f0, f1, f2: 10.0 / SPACING)
+    settings = dict(save_strategy="steps", save_steps=45)
+    full_run = _constant_run(tmp_path / "full", **settings)
+    full_run.train()
+    assert full_run._lr_autopilot.scale.scale > 1.0
+    resumed_model = tiny_gpt2(seed=123)
+    resumed = HybridHFTrainer(model=resumed_model, train_dataset=token_dataset(),
+                              args=hybrid_args(tmp_path / "resumed", learning_rate=1e-4, lr_scheduler_type="constant",
+                                               **{**OUTER, "max_steps": 50, "logging_steps": 1, **settings}))
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-45"))
+    assert_bit_identical(state(full_run.model), state(resumed_model))
+    assert resumed.lr_scheduler.get_last_lr() == full_run.lr_scheduler.get_last_lr()
+
+
+def _from_scratch(tmp_path, learning_rate: float, hybrid: bool) -> tuple[list[float], object]:
+    """From scratch at a constant LR after a 10-step warmup: 400 updates of 4 sequences, evaluated every 40 on
+    held-out sequences; the hybrid with the library's defaults. The eval losses, and the trainer."""
+    args = dict(output_dir=str(tmp_path / f"{hybrid}-{learning_rate}"), learning_rate=learning_rate, max_steps=400,
+                per_device_train_batch_size=4, warmup_steps=10, lr_scheduler_type="constant_with_warmup",
+                weight_decay=0.1, eval_strategy="steps", eval_steps=40, logging_steps=1000, save_strategy="no",
+                report_to="none", seed=0, data_seed=0, use_cpu=True, disable_tqdm=True)
+    trainer_cls, args_cls = (HybridHFTrainer, HybridTrainingArguments) if hybrid else (Trainer, TrainingArguments)
+    trainer = trainer_cls(model=tiny_gpt2(), args=args_cls(**args), train_dataset=token_dataset(512),
+                          eval_dataset=token_dataset(128, seed=1))
+    trainer.train()
+    return [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h], trainer
+
+
+def test_from_scratch_a_raise_that_leads_early_ends_no_worse_and_is_not_advised(tmp_path, caplog):
+    """The short-horizon trap, trained: on this task twice the user's LR leads for the first hundred steps and ends
+    the run higher, and the verdict, about ten steps on, keeps the raise. The hybrid at the user's LR must end no
+    higher than its Trainer (bit for bit where it kept nothing), and its end line must not advise the LR that ended
+    worse."""
+    user, _ = _from_scratch(tmp_path, 4e-3, hybrid=False)
+    doubled, _ = _from_scratch(tmp_path, 8e-3, hybrid=False)
+    if not (doubled[0] < user[0] and doubled[-1] > user[-1] + 0.03):  # the premise
+        pytest.fail(f"2x the LR no longer leads early and ends worse here: {user} against {doubled}")
+    with caplog.at_level(logging.WARNING):
+        hybrid, trainer = _from_scratch(tmp_path, 4e-3, hybrid=True)
+    stats = trainer.hybrid_stats()
+    assert hybrid == user if not (stats["lr_raises_kept"] or stats["predictions_kept"]) else hybrid[-1] <= user[-1], (
+        user, hybrid)
+    assert trainer.lr_scheduler.get_last_lr() == [pytest.approx(4e-3)] * 2
+    assert "pass --learning_rate 0.008" not in caplog.text and "a constant 0.008 is not advised" in caplog.text
