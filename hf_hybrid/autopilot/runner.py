@@ -191,6 +191,7 @@ class LrAutopilot:
             replay.end_trial()
 
     def _cooling(self) -> bool:
+        """Whether a raised scale is on its way back to 1 (autopilot/cooldown.py): its LR moves every step."""
         start = self._cooldown_start()
         return start is not None and self._scheduler.last_epoch > start and self.scale.scale != 1.0
 
