@@ -22,17 +22,18 @@ from hf_hybrid import HybridHFTrainer, HybridTrainingArguments  # noqa: E402
 from tests.conftest import tiny_gpt2, token_dataset  # noqa: E402
 
 
-def final_loss(learning_rate: float, hybrid: bool, seed: int, output_dir: Path) -> tuple[float, dict]:
+def from_scratch(learning_rate: float, hybrid: bool, seed: int, output_dir: Path, eval_steps: int = 400):
+    """One arm: the plain Trainer or the hybrid with its defaults. Its held-out losses every `eval_steps`, and the
+    trainer."""
     args = dict(output_dir=str(output_dir), learning_rate=learning_rate, max_steps=400, per_device_train_batch_size=4,
                 warmup_steps=10, lr_scheduler_type="constant_with_warmup", weight_decay=0.1, eval_strategy="steps",
-                eval_steps=400, logging_steps=1000, save_strategy="no", report_to="none", seed=seed, data_seed=seed,
-                use_cpu=True, disable_tqdm=True)
+                eval_steps=eval_steps, logging_steps=1000, save_strategy="no", report_to="none", seed=seed,
+                data_seed=seed, use_cpu=True, disable_tqdm=True)
     trainer_cls, args_cls = (HybridHFTrainer, HybridTrainingArguments) if hybrid else (Trainer, TrainingArguments)
     trainer = trainer_cls(model=tiny_gpt2(seed), args=args_cls(**args), eval_dataset=token_dataset(128, 2 * seed + 1),
                           train_dataset=token_dataset(512, seed=2 * seed))
     trainer.train()
-    loss = [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h][-1]
-    return loss, trainer.hybrid_stats() if hybrid else {}
+    return [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h], trainer
 
 
 def main() -> None:
@@ -44,8 +45,9 @@ def main() -> None:
     rows = []
     for pair in args.pairs.split(","):
         seed, lr = int(pair.split(":")[0]), float(pair.split(":")[1])
-        trainer_loss, _ = final_loss(lr, False, seed, Path(args.output_dir) / "trainer")
-        hybrid_loss, stats = final_loss(lr, True, seed, Path(args.output_dir) / "hybrid")
+        trainer_loss = from_scratch(lr, False, seed, Path(args.output_dir) / "trainer")[0][-1]
+        hybrid_losses, hybrid = from_scratch(lr, True, seed, Path(args.output_dir) / "hybrid")
+        hybrid_loss, stats = hybrid_losses[-1], hybrid.hybrid_stats()
         rows.append(dict(seed=seed, learning_rate=lr, trainer=trainer_loss, hybrid=hybrid_loss,
                          lr_scale=stats["lr_scale"], raises_kept=stats["lr_raises_kept"]))
         print(f"seed {seed} lr {lr:g}: Trainer {trainer_loss:.4f}, hybrid {hybrid_loss:.4f} "

@@ -1,7 +1,7 @@
 """How far the LR autopilot's verdict can see (issue 49). A raise is judged against where the user's LR would have
 taken the weights, estimated as W0 + (W - W0) / raise from the undo point W0 (hf_hybrid/autopilot/verdict.py). This
 measures that estimate against the user's LR's real path as the horizon grows, on the short-horizon trap of
-tests/test_lr_autopilot.py: a tiny GPT-2 from scratch at a constant LR, where twice the LR leads early and ends higher.
+tests/test_lr_cooldown.py: a tiny GPT-2 from scratch at a constant LR, where twice the LR leads early and ends higher.
 
     python scripts/verdict_horizon.py --out docs/reports/issue49-verdict-horizon.json
 

@@ -4,17 +4,21 @@ and the short-horizon trap it answers (issue 49)."""
 from __future__ import annotations
 
 import logging
+import sys
+from pathlib import Path
 
 import pytest
-from transformers import Trainer, TrainingArguments
 
-from hf_hybrid import HybridHFTrainer, HybridTrainingArguments
+from hf_hybrid import HybridHFTrainer
 from hf_hybrid.autopilot.cooldown import cooldown_start, cooled_scale
 from hf_hybrid.autopilot.line import SPACING
 
 from .conftest import hybrid_args, make_trainer, tiny_gpt2, token_dataset
 from .test_equivalence_resume import assert_bit_identical, state
 from .test_lr_advice import OUTER
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from short_horizon_trap import from_scratch  # noqa: E402  (the trap's one definition, which the script runs over seeds)
 
 
 def test_the_scale_comes_back_over_the_last_fifth_only_where_the_schedule_ends_high():
@@ -64,31 +68,17 @@ def test_resume_in_the_cooldown_is_bit_identical(tmp_path, monkeypatch):
     assert resumed.lr_scheduler.get_last_lr() == full_run.lr_scheduler.get_last_lr()
 
 
-def _from_scratch(tmp_path, learning_rate: float, hybrid: bool) -> tuple[list[float], object]:
-    """From scratch at a constant LR after a 10-step warmup: 400 updates of 4 sequences, evaluated every 40 on
-    held-out sequences; the hybrid with the library's defaults. The eval losses, and the trainer."""
-    args = dict(output_dir=str(tmp_path / f"{hybrid}-{learning_rate}"), learning_rate=learning_rate, max_steps=400,
-                per_device_train_batch_size=4, warmup_steps=10, lr_scheduler_type="constant_with_warmup",
-                weight_decay=0.1, eval_strategy="steps", eval_steps=40, logging_steps=1000, save_strategy="no",
-                report_to="none", seed=0, data_seed=0, use_cpu=True, disable_tqdm=True)
-    trainer_cls, args_cls = (HybridHFTrainer, HybridTrainingArguments) if hybrid else (Trainer, TrainingArguments)
-    trainer = trainer_cls(model=tiny_gpt2(), args=args_cls(**args), train_dataset=token_dataset(512),
-                          eval_dataset=token_dataset(128, seed=1))
-    trainer.train()
-    return [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h], trainer
-
-
 def test_from_scratch_a_raise_that_leads_early_ends_no_worse_and_is_not_advised(tmp_path, caplog):
     """The short-horizon trap, trained: on this task twice the user's LR leads for the first hundred steps and ends
     the run higher, and the verdict, about ten steps on, keeps the raise. The hybrid at the user's LR must end no
     higher than its Trainer (bit for bit where it kept nothing), and its end line must not advise the LR that ended
     worse."""
-    user, _ = _from_scratch(tmp_path, 4e-3, hybrid=False)
-    doubled, _ = _from_scratch(tmp_path, 8e-3, hybrid=False)
+    user, _ = from_scratch(4e-3, False, 0, tmp_path / "user", eval_steps=40)
+    doubled, _ = from_scratch(8e-3, False, 0, tmp_path / "doubled", eval_steps=40)
     if not (doubled[0] < user[0] and doubled[-1] > user[-1] + 0.03):  # the premise
         pytest.fail(f"2x the LR no longer leads early and ends worse here: {user} against {doubled}")
     with caplog.at_level(logging.WARNING):
-        hybrid, trainer = _from_scratch(tmp_path, 4e-3, hybrid=True)
+        hybrid, trainer = from_scratch(4e-3, True, 0, tmp_path / "hybrid", eval_steps=40)
     stats = trainer.hybrid_stats()
     assert hybrid == user if not (stats["lr_raises_kept"] or stats["predictions_kept"]) else hybrid[-1] <= user[-1], (
         user, hybrid)

@@ -2,7 +2,7 @@
 
 A raise is judged about ten steps on, and a higher LR that leads there can still end the run higher: from scratch at a
 constant LR, twice the user's LR leads for the first hundred steps and ends 0.08 higher, because a constant LR ends
-the run at its own noise level (tests/test_lr_autopilot.py, the short-horizon trap; scripts/verdict_horizon.py shows
+the run at its own noise level (tests/test_lr_cooldown.py, the short-horizon trap; scripts/verdict_horizon.py shows
 the verdict cannot see that far). A schedule that decays (linear, cosine, warmup-stable-decay) takes a raised scale down
 with it and ends low whatever the scale; one that ends above half its peak (constant, constant with warmup) does not.
 There the scale returns to the user's LR over the run's last COOLDOWN_SHARE of steps, linearly, so the run ends at the

@@ -240,7 +240,7 @@ class LrAutopilot:
                       f"--learning_rate {user:.2g} stands")
             return (f"hf_hybrid: training ended before a {s.trial_raise:.1f}x raise of the learning rate "
                     f"({judged:.2g} -> {self.learning_rate:.2g}) could be judged ({tried}); {advice}.")
-        if s.scale != 1.0 and self._cooling():
+        if self._cooling():
             return (f"hf_hybrid: raised the learning rate {s.scale:.1f}x: {user:.2g} -> {self.learning_rate:.2g} "
                     f"({tried}), and brought it back to {user:.2g} over the last "
                     f"{self.trainer.state.max_steps - self._cooldown_start()} steps, since this schedule has no decay "
