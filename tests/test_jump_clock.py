@@ -74,13 +74,20 @@ def test_a_jump_right_after_another_is_its_own_and_leaves_the_first_untimed(monk
 
 
 def test_the_trainer_says_it_when_its_jumps_are_slow(tmp_path, monkeypatch, caplog):
-    """Each jump made 0.3 s slower than its forwards, on a tiny model whose real step takes milliseconds."""
+    """Each jump made 0.3 s slower than its forwards, on a clock of its own: the jump clock reads a counter that moves
+    1 ms a reading, and 0.3 s more in each jump, so the result does not hang on the machine's load."""
     apply = HybridEngine.apply_prediction
+    now = [0.0]
+
+    def tick() -> float:
+        now[0] += 1e-3
+        return now[0]
 
     def slow_apply(self, *args, **kwargs):
-        time.sleep(0.3)
+        now[0] += 0.3
         return apply(self, *args, **kwargs)
 
+    monkeypatch.setattr("hf_hybrid.jumps.clock.time", SimpleNamespace(perf_counter=tick))
     monkeypatch.setattr(HybridEngine, "apply_prediction", slow_apply)
     monkeypatch.setattr(PayoffMeter, "verdict", lambda self, gain, noise: True)  # every period has its jump
     trainer = make_trainer(tmp_path, hybrid_predictor="outer", hybrid_outer_period=4, hybrid_warmup_steps=4,
