@@ -48,6 +48,9 @@ def test_a_raised_constant_schedule_ends_at_the_users_lr_and_says_so(tmp_out, mo
     lrs = [entry["learning_rate"] for entry in trainer.state.log_history if "learning_rate" in entry]
     assert lrs[40] == pytest.approx(1e-4 * scale.scale)  # the judged scale, up to the cooldown
     assert all(a > b for a, b in zip(lrs[40:], lrs[41:])) and lrs[-1] < 1e-4 * (1 + (scale.scale - 1) / 9)
+    logged = [entry["hybrid/lr_scale"] for entry in trainer.state.log_history if "hybrid/lr_scale" in entry]
+    # The scale in effect for the next step, cooldown included; the Trainer logs the LR its step used.
+    assert logged[:len(lrs) - 1] == pytest.approx([lr / 1e-4 for lr in lrs[1:]])
     assert trainer.lr_scheduler.get_last_lr() == [pytest.approx(1e-4)] * 2  # the run ends at the user's LR
     assert "and brought it back to 0.0001 over the last 10 steps" in caplog.text
     assert "next time" not in caplog.text

@@ -260,7 +260,8 @@ class LrAutopilot:
         return None
 
     def log_metrics(self) -> dict[str, float]:
-        return {"hybrid/lr_scale": float(self.scale.scale)}
+        """The scale the next step uses: the judged one, or on its way back to 1 in the cooldown."""
+        return {"hybrid/lr_scale": float(self._scale_in_effect())}
 
     def state_dict(self) -> dict:
         probe = {k: v.detach().cpu() for k, v in self.probe.items()} if self.probe is not None else None
