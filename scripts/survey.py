@@ -45,7 +45,23 @@ def sweep(name: str, args) -> None:
     out = Path(args.work) / name
     benchmark("--preset", f"survey-{name}", "--mode", "sweep", "--learning_rates", grid, "--seed", "0",
               *_steps(args), "--output_dir", str(out))
-    shutil.copy(out / f"survey-{name}-sweep" / "sweep-baseline.json", Path(args.reports) / f"{name}-sweep-seed0.json")
+    keep(out / f"survey-{name}-sweep" / "sweep-baseline.json", Path(args.reports) / f"{name}-sweep-seed0.json",
+         merge=bool(args.learning_rates))
+
+
+def keep(new: Path, kept: Path, merge: bool) -> None:
+    """Copy a sweep mode's report into the reports; with `merge` (LRs named on the command line), its runs join the
+    kept report's, replacing any at the same LR, the best is chosen again, and each added run keeps its environment
+    (the grid grows one step where a sweep's best was at its edge)."""
+    if not (merge and kept.exists()):
+        shutil.copy(new, kept)
+        return
+    old, added = json.loads(kept.read_text()), json.loads(new.read_text())
+    runs = {r["learning_rate"]: r for r in old["runs"]}
+    runs.update({r["learning_rate"]: dict(r, environment=added["environment"]) for r in added["runs"]})
+    old["runs"] = [runs[lr] for lr in sorted(runs)]
+    old["best_learning_rate"] = min(old["runs"], key=lambda r: r["final_eval_loss"])["learning_rate"]
+    kept.write_text(json.dumps(old, indent=2))
 
 
 def user_and_swept_lr(name: str, reports: Path) -> tuple[float, float]:
@@ -73,7 +89,8 @@ def check(name: str, args) -> None:
     benchmark("--preset", f"survey-{name}", "--mode", "sweep", "--sweep_arm", "hybrid", "--seed", "0",
               "--learning_rates", args.learning_rates or ",".join(f"{lr:g}" for lr in grid), *_steps(args),
               *(["--set", *args.set] if args.set else []), "--output_dir", str(out))
-    shutil.copy(out / f"survey-{name}-sweep" / "sweep-hybrid.json", reports / f"{name}-hybrid-seed0.json")
+    keep(out / f"survey-{name}-sweep" / "sweep-hybrid.json", reports / f"{name}-hybrid-seed0.json",
+         merge=bool(args.learning_rates))
     print_check(name, reports)
 
 
@@ -151,7 +168,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--half", choices=["tune", "report", "all"], default="tune")
     parser.add_argument("--max_steps", type=int, default=0, help="override the setting's steps (smoke runs)")
-    parser.add_argument("--learning_rates", default="", help="sweep: override the setting's grid")
+    parser.add_argument("--learning_rates", default="",
+                        help="sweep, check: only these LRs, merged into the kept report")
     parser.add_argument("--reports", default=str(HERE.parent / "docs" / "survey"))
     parser.add_argument("--work", default="runs/survey")
     parser.add_argument("--json", help="table: also write the rows here")

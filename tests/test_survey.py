@@ -38,7 +38,11 @@ def test_a_setting_is_swept_then_run_at_a_tenth_of_its_swept_lr(tmp_path):
     where = ["--reports", str(tmp_path / "reports"), "--work", str(tmp_path / "work"), "--max_steps", "8"]
     name = "scratch-2x64-shakespeare-cosine"
     survey("sweep", name, "--learning_rates", "1e-4,1e-2", *where)
-    swept = json.loads((tmp_path / "reports" / f"{name}-sweep-seed0.json").read_text())["best_learning_rate"]
+    survey("sweep", name, "--learning_rates", "1e-3", *where)  # one more LR joins the kept sweep
+    kept = json.loads((tmp_path / "reports" / f"{name}-sweep-seed0.json").read_text())
+    assert [r["learning_rate"] for r in kept["runs"]] == [1e-4, 1e-3, 1e-2]
+    swept = kept["best_learning_rate"]
+    assert swept == min(kept["runs"], key=lambda r: r["final_eval_loss"])["learning_rate"]
     survey("run", name, *where)
     report = json.loads((tmp_path / "reports" / f"{name}-user-seed0.json").read_text())
     assert report["learning_rate"] == pytest.approx(swept / 10) and report["swept_learning_rate"] == swept
