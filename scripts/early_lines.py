@@ -1,0 +1,89 @@
+"""The LR autopilot's line at every one of a run's first steps (issue 49): where a first descent reads long at any LR,
+and how the reach separates a too-small LR from a good one once it ends. Tuning-half settings only.
+
+    python scripts/early_lines.py --setting scratch-2x128-docs-constant --learning_rates 3e-4,1e-3,3e-3,1e-2 \
+        --steps 40 --out docs/reports/issue49-early-lines-scratch-2x128-docs-constant.json
+
+The plain Trainer at each LR; after every optimizer step, the probe (the run's first batch) is read at W, W + 4 steps
+and W + 8 steps along Adam's next step, as autopilot/line.py reads it, and the weights are put back bit for bit. The
+reach is in today's steps at the schedule's peak (autopilot/scale.py's units).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from model_and_data import build_model_and_data
+from presets import PRESETS
+
+from hf_hybrid.autopilot.line import SPACING, _move_along_next_step, _step_groups
+from hf_hybrid.autopilot.scale import reach_of_line
+
+
+def early_lines(preset: dict, learning_rate: float, steps: int, out_dir: str) -> list[list[float]]:
+    """[step, probe loss, reach, schedule factor] after each of the first `steps` optimizer steps."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    model, datasets, _ = build_model_and_data(preset, 0)
+    args = TrainingArguments(
+        output_dir=out_dir, max_steps=preset["max_steps"], per_device_train_batch_size=preset["batch_size"],
+        gradient_accumulation_steps=preset["grad_accum"], learning_rate=learning_rate,
+        lr_scheduler_type=preset["scheduler"], lr_scheduler_kwargs=preset["scheduler_kwargs"],
+        warmup_steps=preset["warmup_steps"], weight_decay=preset["weight_decay"], optim=preset["optim"],
+        save_strategy="no", report_to="none", seed=0, data_seed=0, disable_tqdm=True, use_cpu=True,
+        logging_steps=10**6)
+    rows: list[list[float]] = []
+
+    class Read(TrainerCallback):
+        probe: dict | None = None
+
+        @torch.no_grad()
+        def on_step_end(self, args_, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
+            if self.probe is None:
+                batch = next(iter(trainer.get_train_dataloader()))
+                self.probe = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+            scheduler = getattr(lr_scheduler, "scheduler", lr_scheduler)
+            factor = min(f(scheduler.last_epoch) for f in scheduler.lr_lambdas)
+            model.eval()
+            weights = [p.detach().clone() for p in model.parameters()]
+            groups = _step_groups(getattr(optimizer, "optimizer", optimizer), lists=False)
+            losses = [float(model(**self.probe).loss)]
+            for _ in range(2):
+                _move_along_next_step(groups, SPACING)
+                losses.append(float(model(**self.probe).loss))
+            for p, w in zip(model.parameters(), weights):
+                p.copy_(w)
+            model.train()
+            rows.append([state.global_step, losses[0], SPACING * reach_of_line(*losses) * factor, factor])
+            if state.global_step >= steps:
+                control.should_training_stop = True
+
+    trainer = Trainer(model=model, args=args, train_dataset=datasets["train"], callbacks=[Read()])
+    trainer.train()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--setting", required=True, help="a survey setting of the tuning half")
+    parser.add_argument("--learning_rates", required=True)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--out", default="runs/early-lines.json")
+    args = parser.parse_args()
+    preset = PRESETS[f"survey-{args.setting}"]
+    if preset["half"] != "tune":
+        parser.error(f"{args.setting} is in the report half, which tuning does not read")
+    found = {}
+    for lr in (float(x) for x in args.learning_rates.split(",")):
+        found[f"{lr:g}"] = early_lines(preset, lr, args.steps, f"runs/early-lines/{args.setting}-{lr:g}")
+        print(f"{args.setting} {lr:g}: " + " ".join(f"{int(s)}:{r:.3g}" for s, _, r, _ in found[f"{lr:g}"]),
+              flush=True)
+    Path(args.out).write_text(json.dumps({"command": "python scripts/early_lines.py " + " ".join(
+        f"--{k} {v}" for k, v in vars(args).items()), "setting": args.setting, "rows": found}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
