@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 import torch
-from model_and_data import build_model_and_data
+from model_and_data import build_model_and_data, plain_training_args
 from presets import PRESETS
 
 from hf_hybrid.autopilot.line import SPACING, _move_along_next_step, _step_groups
@@ -25,16 +25,10 @@ from hf_hybrid.autopilot.scale import reach_of_line
 
 def early_lines(preset: dict, learning_rate: float, steps: int, out_dir: str) -> list[list[float]]:
     """[step, probe loss, reach, schedule factor] after each of the first `steps` optimizer steps."""
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import Trainer, TrainerCallback
 
     model, datasets, _ = build_model_and_data(preset, 0)
-    args = TrainingArguments(
-        output_dir=out_dir, max_steps=preset["max_steps"], per_device_train_batch_size=preset["batch_size"],
-        gradient_accumulation_steps=preset["grad_accum"], learning_rate=learning_rate,
-        lr_scheduler_type=preset["scheduler"], lr_scheduler_kwargs=preset["scheduler_kwargs"],
-        warmup_steps=preset["warmup_steps"], weight_decay=preset["weight_decay"], optim=preset["optim"],
-        save_strategy="no", report_to="none", seed=0, data_seed=0, disable_tqdm=True, use_cpu=True,
-        logging_steps=10**6)
+    args = plain_training_args(preset, learning_rate, out_dir)
     rows: list[list[float]] = []
 
     class Read(TrainerCallback):

@@ -55,3 +55,17 @@ def pretrained_checkpoint(preset: dict) -> str:
         subprocess.run([sys.executable, str(root / "recipes" / "train_clm.py"), "--config",
                         str(root / preset["pretrain_recipe"]), "--output_dir", str(path)], check=True)
     return str(path)
+
+
+def plain_training_args(preset: dict, learning_rate: float, out_dir: str, **extra):
+    """The preset's `TrainingArguments` for a plain Trainer on the CPU at `learning_rate`, seed 0, logging nothing:
+    the experiments that watch a run from a callback (early_lines.py, raise_ceiling.py)."""
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=out_dir, max_steps=preset["max_steps"], per_device_train_batch_size=preset["batch_size"],
+        gradient_accumulation_steps=preset["grad_accum"], learning_rate=learning_rate,
+        lr_scheduler_type=preset["scheduler"], lr_scheduler_kwargs=preset["scheduler_kwargs"],
+        warmup_steps=preset["warmup_steps"], weight_decay=preset["weight_decay"], optim=preset["optim"],
+        save_strategy="no", report_to="none", seed=0, data_seed=0, disable_tqdm=True, use_cpu=True,
+        logging_steps=10**6, **extra)

@@ -19,7 +19,7 @@ import json
 import math
 from pathlib import Path
 
-from model_and_data import build_model_and_data
+from model_and_data import build_model_and_data, plain_training_args
 from presets import PRESETS
 from report import UPDATES, time_to
 from survey import user_and_swept_lr
@@ -30,16 +30,11 @@ from hf_hybrid.autopilot.runner import FIRST_DESCENT_STEPS, READ_EVERY
 def switched_run(preset: dict, user: float, scale: float, at: int, out_dir: str) -> list[list[float]]:
     """The Trainer at `user`, its schedule scaled by `scale` from step `at` on: its evaluations as the benchmark
     records them ([step, seconds, loss, updates])."""
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import Trainer, TrainerCallback
 
     model, datasets, eval_set = build_model_and_data(preset, 0)
-    args = TrainingArguments(
-        output_dir=out_dir, max_steps=preset["max_steps"], per_device_train_batch_size=preset["batch_size"],
-        per_device_eval_batch_size=max(preset["batch_size"], 16), gradient_accumulation_steps=preset["grad_accum"],
-        learning_rate=user, lr_scheduler_type=preset["scheduler"], lr_scheduler_kwargs=preset["scheduler_kwargs"],
-        warmup_steps=preset["warmup_steps"], weight_decay=preset["weight_decay"], optim=preset["optim"],
-        eval_strategy="steps", eval_steps=preset["eval_steps"], save_strategy="no", report_to="none", seed=0,
-        data_seed=0, disable_tqdm=True, use_cpu=True, logging_steps=10**6)
+    args = plain_training_args(preset, user, out_dir, eval_strategy="steps", eval_steps=preset["eval_steps"],
+                               per_device_eval_batch_size=max(preset["batch_size"], 16))
     evals: list[list[float]] = []
 
     class Switch(TrainerCallback):
