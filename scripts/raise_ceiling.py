@@ -75,6 +75,7 @@ def main() -> None:
         user, swept = user_and_swept_lr(name, Path(args.reports))
         sweep = {r["learning_rate"]: r for r in json.loads((Path(args.reports) / f"{name}-sweep-seed0.json")
                                                            .read_text())["runs"]}
+        user = min(sweep, key=lambda lr: abs(math.log(lr / user)))  # a tenth of the swept, as the grid spells it
         base, best = sweep[user]["evals"], sweep[swept]["evals"]
         target = sweep[user]["final_eval_loss"]
         first = preset["warmup_steps"] + FIRST_DESCENT_STEPS
