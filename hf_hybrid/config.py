@@ -112,6 +112,12 @@ class HybridTrainingArguments(TrainingArguments):
             It lowers the device peak by one parameter-sized buffer only for `velocity` and `adam`, whose jumps stay
             open through their Correct steps: the copy exists only until a jump is judged, so with `outer` it never
             meets the gradients of a real step. No effect on CPU.
+        hybrid_device_copies_share (`float`, defaults to `0.1`):
+            On a GPU, the share of the device memory left free at the run's peak (measured at its second step) that
+            the rollback copies may take there: the guard's snapshot and the outer predictor's anchor and momentum,
+            up to 5x the parameters' bytes with AdamW. Where they fit, they stay on the GPU and every copy is a
+            device-to-device one; otherwise they go to pinned host memory, which costs no device memory but a copy
+            over the host link each time. A line at the start says which. 0 keeps them on the host.
         hybrid_guard (`bool`, defaults to `True`):
             Guard every real optimizer step. A step whose loss or gradient norm is not finite, or is an outlier
             against the recent steps, is skipped: its update is vetoed (weights, optimizer state, learning-rate
@@ -189,6 +195,9 @@ class HybridTrainingArguments(TrainingArguments):
     hybrid_offload_snapshot: bool = field(
         default=False, metadata={"help": "GPU: keep the undo copy of the weights in pinned host memory."}
     )
+    hybrid_device_copies_share: float = field(
+        default=0.1, metadata={"help": "GPU: rollback copies stay on the device within this share of its free memory."}
+    )
     hybrid_guard: bool = field(
         default=True, metadata={"help": "Skip outlier or non-finite real steps; roll back damaged weights."}
     )
@@ -219,12 +228,14 @@ class HybridConfig(FlagSettings):
     enabled: bool = flag("hybrid")
     trace: bool = flag("hybrid_trace")
     vram_min_free_mb: float = flag("hybrid_vram_min_free_mb")
+    device_copies_share: float = flag("hybrid_device_copies_share")
     jumps: JumpsConfig = section(JumpsConfig)
     guard: GuardConfig = section(GuardConfig)
     autopilot: AutopilotConfig = section(AutopilotConfig)
 
     def __post_init__(self) -> None:
-        self.at_least(0, "vram_min_free_mb")
+        self.at_least(0, "vram_min_free_mb", "device_copies_share")
+        self.require("device_copies_share", self.device_copies_share <= 1, "must be <= 1")
 
 
 HYBRID_FIELDS = [f for f in fields(HybridTrainingArguments) if f.name.startswith("hybrid")]

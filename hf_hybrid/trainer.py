@@ -39,6 +39,7 @@ from .jumps.predict_step import predict_training_step
 from .launch import check_launch_mode
 from .loop.seam import StepLosses, mean_across_ranks
 from .loop.step_veto import CountedStepSchedule, StepVeto
+from .memory.placement import CopyPlacement
 from .memory.vram import EmergencyCheckpointCallback, VramMonitor
 from .trace import StepTrace
 
@@ -202,8 +203,9 @@ class HybridMixin:
         # Parameters of the prepared model: under FSDP2 these are the DTensors that hold the local shards.
         params = [p for p in self.model_wrapped.parameters() if p.requires_grad]
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
+        placement = CopyPlacement(self.hybrid_config.device_copies_share, announce=self.args.local_process_index == 0)
         return HybridEngine(self.hybrid_config.jumps, params, optimizer, seed=self.args.seed,
-                            accumulation=self.args.gradient_accumulation_steps)
+                            accumulation=self.args.gradient_accumulation_steps, placement=placement)
 
     def _stateful_parts(self) -> dict[str, Stateful]:
         """The parts of this train() call whose state a checkpoint carries, by their key in it."""

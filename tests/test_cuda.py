@@ -20,7 +20,7 @@ from hf_hybrid.memory.host_buffers import pinned_layout
 
 from .conftest import hybrid_args, make_trainer, reject_every_jump, tiny_gpt2, token_dataset
 from .test_equivalence_resume import assert_bit_identical, check_resume_mid_predict, state
-from .test_host_memory import first_kept_jump_after_a_long_first_cycle
+from .test_host_memory import first_kept_jump_after_a_long_first_cycle, keep_every_jump
 from .test_memory_growth import CycleMemory
 from .test_outer import jumps_from_the_weights_and_from_the_anchor, resume_where_the_first_kept_jump_took_the_anchor
 from .test_predict import StepRecorder, kept_predicted_steps, train_recorded
@@ -29,6 +29,7 @@ from .test_safety import WeightsPerStep, nan_model, sabotage_fifth_predicted_ste
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 ON_GPU = dict(use_cpu=False)
+PINNED = dict(hybrid_device_copies_share=0.0)  # the rollback copies in pinned host memory, whatever room the GPU has
 FSDP2_WORKER = Path(__file__).with_name("fsdp2_trainer_worker.py")
 ACCELERATE_FSDP2 = Path(__file__).resolve().parents[1] / "recipes" / "accelerate" / "fsdp2.yaml"
 
@@ -104,7 +105,8 @@ def test_device_memory_does_not_grow_over_many_predict_phases(tmp_out):
     recorder = CycleMemory(measure=allocated_device_bytes)
     # Without the autopilot: under bf16 on an H100 it raised the LR 4x and held every later jump, its readings saying
     # the steps were long enough (30 predicted steps in 300), and this test needs the Predict phases.
-    trainer = make_trainer(tmp_out, max_steps=300, logging_steps=1000, bf16=True, hybrid_lr_autopilot=False, **ON_GPU)
+    trainer = make_trainer(tmp_out, max_steps=300, logging_steps=1000, bf16=True, hybrid_lr_autopilot=False, **PINNED,
+                           **ON_GPU)
     trainer.add_callback(recorder)
     recorder.trainer = trainer
     trainer.train()
@@ -163,7 +165,7 @@ def test_engine_keeps_no_weight_copy_on_the_device_beyond_its_predictor(tmp_path
     del plain
     model = tiny_gpt2()
     trainer = make_trainer(tmp_path / "hybrid", model=model, hybrid_predictor=predictor, hybrid_offload_snapshot=True,
-                           **settings, **ON_GPU)
+                           **settings, **PINNED, **ON_GPU)
     trainer.add_callback(hybrid_memory)
     trainer.train()
     assert trainer.hybrid_stats()["predict_steps"] >= 5
@@ -185,8 +187,8 @@ def test_a_jump_from_the_anchor_in_pinned_memory_lands_where_one_from_the_weight
 def test_the_first_kept_jump_in_pinned_memory_holds_4p_and_resumes_bit_for_bit(tmp_path, monkeypatch):
     """The momentum written into the anchor's pinned buffers from the device, the next anchor in the guard's copy's
     memory: within 4P by count at every step, and a resume from the step without an anchor lands bit for bit."""
-    first_kept_jump_after_a_long_first_cycle(tmp_path / "held", monkeypatch, **ON_GPU)
-    resume_where_the_first_kept_jump_took_the_anchor(tmp_path / "resume", monkeypatch, **ON_GPU)
+    first_kept_jump_after_a_long_first_cycle(tmp_path / "held", monkeypatch, **PINNED, **ON_GPU)
+    resume_where_the_first_kept_jump_took_the_anchor(tmp_path / "resume", monkeypatch, **PINNED, **ON_GPU)
 
 
 def test_outer_state_and_the_guards_snapshot_sit_in_a_few_pinned_allocations(tmp_out):
@@ -204,11 +206,46 @@ def test_outer_state_and_the_guards_snapshot_sit_in_a_few_pinned_allocations(tmp
                                  len({t.untyped_storage().data_ptr() for t in tensors}),
                                  len(pinned_layout([t.numel() * t.element_size() for t in tensors]))))
 
-    trainer = make_trainer(tmp_out, hybrid_predictor="outer", hybrid_guard=True, **OUTER_ON_GPU, **ON_GPU)
+    trainer = make_trainer(tmp_out, hybrid_predictor="outer", hybrid_guard=True, **OUTER_ON_GPU, **PINNED, **ON_GPU)
     trainer.add_callback(Placement())
     trainer.train()
     assert {"anchor", "moments"} <= {name for name, *_ in seen}, seen  # the momentum once a jump is kept
     assert all(pinned and allocations == planned for _, pinned, allocations, planned in seen), seen
+
+
+class CopiesPlace(TrainerCallback):
+    """At each step's end: the devices and pinnedness of the anchor, the momentum and the guard's moments."""
+
+    def __init__(self) -> None:
+        self.seen: set[tuple[str, str, bool]] = set()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        outer, snapshot = self.trainer.hybrid_engine.predictor, self.trainer._guard_loop.snapshot
+        for name, tensors in (("anchor", outer.anchor), ("momentum", outer.buf),
+                              ("moments", snapshot.optimizer_state.tensors)):
+            self.seen |= {(name, t.device.type, t.is_pinned()) for t in tensors or []}
+
+
+def test_the_rollback_copies_sit_on_the_gpu_where_they_fit_and_the_run_is_the_pinned_ones_bit_for_bit(tmp_path,
+                                                                                                     monkeypatch):
+    """A tiny model's copies fit any GPU's share: the anchor, the momentum (every jump kept) and the guard's moments
+    are device tensors, and the run ends on the weights of the same run with the copies in pinned host memory."""
+    keep_every_jump(monkeypatch)
+    runs = {}
+    for name, share in (("device", 0.1), ("pinned", 0.0)):
+        place = CopiesPlace()
+        trainer = make_trainer(tmp_path / name, hybrid_predictor="outer", hybrid_device_copies_share=share,
+                               hybrid_lr_autopilot=False, full_determinism=True, **OUTER_ON_GPU, **ON_GPU)
+        place.trainer = trainer
+        trainer.add_callback(place)
+        trainer.train()
+        runs[name] = (state(trainer.model), place.seen, trainer.hybrid_engine.placement.on_device)
+    assert runs["device"][2] is True and runs["pinned"][2] is False
+    assert {(name, device) for name, device, _ in runs["device"][1]} == {("anchor", "cuda"), ("momentum", "cuda"),
+                                                                         ("moments", "cuda")}
+    assert {(name, pinned) for name, _, pinned in runs["pinned"][1]} == {("anchor", True), ("momentum", True),
+                                                                        ("moments", True)}
+    assert_bit_identical(runs["device"][0], runs["pinned"][0])
 
 
 @pytest.mark.parametrize("predictor", ["velocity", "adam"])

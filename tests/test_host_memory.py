@@ -13,6 +13,7 @@ from transformers import TrainerCallback
 from hf_hybrid.jumps.predictors import outer
 from hf_hybrid.memory import host_memory
 from hf_hybrid.memory.host_memory import available_host_bytes, rollback_state_bytes
+from hf_hybrid.memory.placement import CopyPlacement
 
 from .conftest import make_trainer
 
@@ -146,6 +147,21 @@ def test_the_first_kept_jump_after_a_long_first_cycle_stays_within_4p(tmp_path, 
     first_kept_jump_after_a_long_first_cycle(tmp_path, monkeypatch)
 
 
+class CountedPlacement:
+    """A placement that reports each allocation through it to `counted`."""
+
+    def __init__(self, inner: CopyPlacement, counted) -> None:
+        self.inner, self.counted = inner, counted
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def buffers_like(self, tensors: list) -> list:
+        buffers = self.inner.buffers_like(tensors)
+        self.counted(buffers)
+        return buffers
+
+
 def first_kept_jump_after_a_long_first_cycle(tmp_path, monkeypatch, **extra) -> None:
     keep_every_jump(monkeypatch)
     trainer = make_trainer(tmp_path, hybrid_predictor="outer", hybrid_outer_period=4, hybrid_warmup_steps=12,
@@ -154,17 +170,21 @@ def first_kept_jump_after_a_long_first_cycle(tmp_path, monkeypatch, **extra) -> 
     recorder = HostBytes()
     recorder.trainer = trainer
     trainer.add_callback(recorder)
-    # What is held as each new anchor is allocated, with it: inside a step, where step-end counts cannot see.
+    # What is held as each of the predictor's new buffers is allocated, with it: inside a step, where step-end counts
+    # cannot see.
     at_allocation = []
-    allocate = outer.host_like
 
-    def counted_host_like(tensors):
-        buffers = allocate(tensors)
+    def counted(buffers):
         size = rollback_state_bytes(trainer._hybrid, trainer._guard_loop.snapshot)
         at_allocation.append((size.held + sum(b.numel() * b.element_size() for b in buffers)) // size.params)
-        return buffers
 
-    monkeypatch.setattr("hf_hybrid.jumps.predictors.outer.host_like", counted_host_like)
+    build = outer.OuterMomentumPredictor.__init__
+
+    def build_counted(self, *args, **kwargs):
+        build(self, *args, **kwargs)
+        self.placement = CountedPlacement(self.placement, counted)
+
+    monkeypatch.setattr(outer.OuterMomentumPredictor, "__init__", build_counted)
     trainer.train()
     assert trainer.hybrid_stats()["predictions_kept"] >= 2
     assert at_allocation and max(at_allocation) <= 4, at_allocation

@@ -22,7 +22,7 @@ from ..loop.replay import Unit, move_unit
 from ..loop.rng import forked_rng
 from ..loop.seam import HybridTrainer
 from ..memory.host_memory import available_host_bytes, host_memory_warning, local_ranks, rollback_state_bytes
-from ..memory.snapshot import TrainingSnapshot, rng_state
+from ..memory.snapshot import TrainingSnapshot, rng_state, snapshot_bytes
 from .rules import Action, GuardEvent, StepGuard
 
 logger = logging.get_logger(__name__)
@@ -41,7 +41,11 @@ class GuardAtLoop:
         self.guard = StepGuard(self.config, grad_norm_outliers=not trainer.args.max_grad_norm)
         # Under DDP every rank holds the same state, so one rank keeps the snapshot for all (FSDP2: each its shards).
         sharded = bool(trainer.hybrid_engine.predictor.shard_groups)
-        self.snapshot = TrainingSnapshot(replicated=trainer.accelerator.num_processes > 1 and not sharded)
+        engine = trainer.hybrid_engine
+        self.snapshot = TrainingSnapshot(replicated=trainer.accelerator.num_processes > 1 and not sharded,
+                                         placement=engine.placement)
+        if self.snapshot.holds_copy and self.config.snapshot_steps:
+            engine.placement.expect(lambda: snapshot_bytes(engine.params, engine.optimizer))
         # The micro-batches of the real step under way, with the Trainer's `num_items_in_batch` for them; and the
         # last accepted step's, which tell bad weights from bad data.
         self.inputs: Unit = ([], None)

@@ -20,6 +20,7 @@ from torch import Tensor
 from ..loop.divergence import DivergenceMonitor, non_finite
 from ..loop.epoch_seed import EpochSeedDraw
 from ..loop.replay import BatchReplay, Unit
+from ..memory.placement import CopyPlacement
 from ..memory.shards import local_shards
 from ..memory.snapshot import WeightSnapshot
 from .config import JumpsConfig
@@ -45,19 +46,18 @@ class StepRecord:
 
 class HybridEngine(JumpLifecycle, PredictorFeed):
     def __init__(self, config: JumpsConfig, params: list[Tensor], optimizer: torch.optim.Optimizer, seed: int = 0,
-                 accumulation: int = 1) -> None:
+                 accumulation: int = 1, placement: CopyPlacement | None = None) -> None:
         if not params:
             raise ValueError("hybrid training needs at least one trainable parameter; the model has none. Unfreeze "
                              "the parameters to train (with PEFT: check the adapter config's target_modules), or "
                              "pass --hybrid false.")
-        self.config = config
-        self.params = params
-        self.optimizer = optimizer
-        self.predictor = PREDICTORS[config.predictor.name](params, optimizer, **config.predictor.predictor_kwargs())
+        self.config, self.params, self.optimizer = config, params, optimizer
+        self.placement = placement or CopyPlacement(share=0.0)  # the rollback copies': predictor's and guard's
+        self.predictor = PREDICTORS[config.predictor.name](params, optimizer, placement=self.placement,
+                                                           **config.predictor.predictor_kwargs())
         self.controller = PhaseController(replace(config.schedule, **self.predictor.controller_settings()))
         checks = config.checks
-        self.monitor = DivergenceMonitor(band_sigmas=checks.loss_band,
-                                         grad_explosion_factor=checks.grad_explosion_factor)
+        self.monitor = DivergenceMonitor(checks.loss_band, grad_explosion_factor=checks.grad_explosion_factor)
         self.payoff = PayoffMeter(forward_cost=checks.predict_step_cost, noise_margin=checks.probe_noise_margin,
                                   accumulation=accumulation)
         self.dynamics = LossDynamicsModel(seed=seed)

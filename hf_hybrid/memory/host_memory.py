@@ -1,12 +1,13 @@
 """Host memory for the rollback state: the most that the guard's snapshot and the outer predictor's state will hold on
 this rank, against what the machine has available, said in one line where it may not fit.
 
-That state sits in host memory (pinned on an accelerator). Its largest total comes at moments that can be hours into a
-run: the guard's own copy of the weights is taken after a save, through a learning-rate trial and in a cycle longer
-than `--hybrid_guard_snapshot_steps`, and the outer momentum exists from the first kept jump. So the check runs once,
-at the guard's first snapshot, when the optimizer's state exists and the bytes are exact, rather than leave the user to
-find out from a process killed for memory. The jump's undo copy counts only where `--hybrid_offload_snapshot` keeps it
-in pinned memory: elsewhere it lives on the device, or on the CPU in the place of the gradients it is taken without.
+That state sits in host memory (pinned on an accelerator, unless memory/placement.py keeps it on the device). Its
+largest total comes at moments that can be hours into a run: the guard's own copy of the weights is taken after a save,
+through a learning-rate trial and in a cycle longer than `--hybrid_guard_snapshot_steps`, and the outer momentum exists
+from the first kept jump. So the check runs once, at the guard's first snapshot, when the optimizer's state exists and
+the bytes are exact, rather than leave the user to find out from a process killed for memory. The jump's undo copy
+counts only where `--hybrid_offload_snapshot` keeps it in pinned memory: elsewhere it lives on the device, or on the CPU
+in the place of the gradients it is taken without.
 """
 
 from __future__ import annotations
@@ -93,12 +94,13 @@ class RollbackStateBytes(NamedTuple):
 def rollback_state_bytes(engine, snapshot: TrainingSnapshot) -> RollbackStateBytes:
     """On this rank: the predictor's host copies (none once it is released), the guard's copies of the optimizer's
     state (exact once it has taken them), the guard's own copy of the weights, and on an accelerator with
-    `--hybrid_offload_snapshot` the jump's undo copy."""
+    `--hybrid_offload_snapshot` the jump's undo copy; none of the guard's and the predictor's where the placement put
+    them on the device (memory/placement.py)."""
     shards = engine.shards()
     param_bytes = sum(_nbytes(t) for t in shards)
     copies, buffers = engine.predictor.host_buffers()
     held, guard = sum(_nbytes(t) for t in buffers), 0
-    if snapshot.holds_copy:
+    if snapshot.holds_copy and not snapshot.placement.on_device:
         state = snapshot.optimizer_state.tensors or []
         guard = param_bytes + sum(_nbytes(t) for t in state)
         own = [] if snapshot.weights.adopted else snapshot.weights.tensors or []

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .host_buffers import HostCopies, host_like, release_cached_pinned_memory
+from .placement import CopyPlacement
 from .shards import load_tensors, local_shard, local_shards
 
 
@@ -23,11 +24,13 @@ class WeightSnapshot:
     With `on_host`, every accelerator tensor is copied into pinned host memory instead (`host_like`; an optimizer's
     state mixes device moments with a host `step` count): no device memory, for a device-to-host copy at
     each capture and a host-to-device copy at each restore. Both are queued on the current stream, so the tensors are
-    not changed before the copy has read them and a later capture cannot overwrite a restore still in flight.
+    not changed before the copy has read them and a later capture cannot overwrite a restore still in flight. With a
+    `placement`, the run's choice for its rollback copies decides instead (memory/placement.py).
     """
 
-    def __init__(self, on_host: bool = False) -> None:
+    def __init__(self, on_host: bool = False, placement: CopyPlacement | None = None) -> None:
         self.on_host = on_host
+        self.placement = placement
         self.tensors: list[Tensor] | None = None
         self.valid = False
         self.adopted = False  # the tensors are another owner's copy (`adopt`), never written here
@@ -44,7 +47,7 @@ class WeightSnapshot:
         if self.adopted:
             self.release()
         if self.tensors is None:
-            self.tensors = host_like(tensors) if self.on_host else [torch.empty_like(t) for t in tensors]
+            self.tensors = self._buffers_like(tensors)
         self._copies.copy(self.tensors, tensors)
         self.valid = True
 
@@ -52,6 +55,11 @@ class WeightSnapshot:
     def restore(self, tensors: list[Tensor]) -> None:
         assert self.valid and self.tensors is not None, "no snapshot to restore"
         self._copies.copy(tensors, self.tensors)
+
+    def _buffers_like(self, tensors: list[Tensor]) -> list[Tensor]:
+        if self.placement is not None:
+            return self.placement.buffers_like(tensors)
+        return host_like(tensors) if self.on_host else [torch.empty_like(t) for t in tensors]
 
     def release(self) -> None:
         self.tensors, self.valid, self.adopted = None, False, False
@@ -80,8 +88,8 @@ class TrainingSnapshot:
     """Everything a guard rollback restores: weights, optimizer state, the learning-rate schedule and the RNG, taken
     before the update of a step the guard accepted (so its weights are known to be good).
 
-    Tensors are copied element-wise on local shards (no communication under FSDP2), into pinned host memory on an
-    accelerator, where it costs no device memory: 3x the parameters' bytes with AdamW (weights and two moments). With
+    Tensors are copied element-wise on local shards (no communication under FSDP2), where `placement` puts the run's
+    rollback copies (memory/placement.py): 3x the parameters' bytes with AdamW (weights and two moments). With
     `on_held_weights` (the outer predictor's anchor, taken at the same point) the weights are not copied again: the
     snapshot stands on that copy, and only the moments are its own (2x). With `replicated` (DDP, where every rank holds
     the same weights and optimizer state) only rank 0 keeps the copies (and the anchor), and a restore broadcasts them
@@ -93,11 +101,12 @@ class TrainingSnapshot:
     optimizer state are the checkpoint's own, so a resumed run takes the same snapshot there.
     """
 
-    def __init__(self, replicated: bool = False) -> None:
+    def __init__(self, replicated: bool = False, placement: CopyPlacement | None = None) -> None:
         self.replicated = replicated
         self.holds_copy = not replicated or dist.get_rank() == 0  # whether this rank keeps the parameter-sized copy
-        self.weights = WeightSnapshot(on_host=True)
-        self.optimizer_state = WeightSnapshot(on_host=True)  # the parameter-sized entries (AdamW's moments)
+        self.placement = placement or CopyPlacement(share=0.0)
+        self.weights = WeightSnapshot(placement=self.placement)
+        self.optimizer_state = WeightSnapshot(placement=self.placement)  # the parameter-sized entries (AdamW's moments)
         self.counters = WeightSnapshot(on_host=True)  # the 0-dimensional ones (AdamW's step), on every rank
         self.keys: list[tuple[int, str]] = []  # (parameter index, state key) of each copied optimizer tensor
         self.scalars: list[tuple[int, str, object]] = []  # optimizer state entries that are not tensors
@@ -134,7 +143,7 @@ class TrainingSnapshot:
         back (`rng_state()` at the step's start, before its forward drew dropout masks), else the state now."""
         keys, tensors, scalars = _optimizer_entries(params, optimizer)
         if keys != self.keys:  # the buffers are reused, so they are rebuilt only when the state's layout changes
-            self.optimizer_state, self.counters = WeightSnapshot(on_host=True), WeightSnapshot(on_host=True)
+            self.optimizer_state, self.counters = WeightSnapshot(placement=self.placement), WeightSnapshot(on_host=True)
             self.keys = keys
         state, counters = _split_counters(tensors)
         if not self.holds_copy:
@@ -182,6 +191,13 @@ class TrainingSnapshot:
             optimizer.state[params[i]][key] = value
         _set_rng_state(self.rng)
         return self.schedule
+
+
+def snapshot_bytes(params: list[Tensor], optimizer: torch.optim.Optimizer) -> int:
+    """The most a `TrainingSnapshot` holds in parameter-sized copies on this rank: a copy of the weights of its own and
+    the optimizer's state (AdamW: 3x the parameters)."""
+    state, _ = _split_counters(_optimizer_entries(params, optimizer)[1])
+    return sum(t.numel() * t.element_size() for t in [*local_shards(params), *state])
 
 
 def _split_counters(tensors: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:

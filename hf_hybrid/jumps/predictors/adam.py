@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ...memory.placement import CopyPlacement
 from ...memory.shards import local_shard
 from .base import StepwisePredictor
 
@@ -19,8 +20,9 @@ class AdamPredictor(StepwisePredictor):
     name = "adam"
     uses_updates = False
 
-    def __init__(self, params: list[Tensor], optimizer: torch.optim.Optimizer) -> None:
-        super().__init__(params, optimizer)
+    def __init__(self, params: list[Tensor], optimizer: torch.optim.Optimizer,
+                 placement: CopyPlacement | None = None) -> None:
+        super().__init__(params, optimizer, placement)
         self.groups = {}
         for group in optimizer.param_groups:
             for p in group["params"]:

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ...memory.placement import CopyPlacement
 from ...memory.shards import local_shard
 
 # The flags of the multi-step Predict/Correct schedule and its checks, read by the predictors that run it.
@@ -46,9 +47,12 @@ class Predictor(ABC):
     # warmup does not pay for them; the predictor is restarted when its window opens.
     history_steps: int | None = None
 
-    def __init__(self, params: list[Tensor], optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, params: list[Tensor], optimizer: torch.optim.Optimizer,
+                 placement: CopyPlacement | None = None) -> None:
         self.params = params
         self.optimizer = optimizer
+        # Where copies of the parameters that it keeps between steps go (the run's rollback copies' placement).
+        self.placement = placement or CopyPlacement(share=0.0)
         self.observed = 0
         self.last_residual: float | None = None  # a stepwise predictor's last Correct-step residual
         self.shard_groups = _shard_groups(params)
@@ -125,8 +129,9 @@ class StepwisePredictor(Predictor):
     gain_smoothing: ClassVar[float] = 0.3
     max_gain: ClassVar[float] = 2.0
 
-    def __init__(self, params: list[Tensor], optimizer: torch.optim.Optimizer) -> None:
-        super().__init__(params, optimizer)
+    def __init__(self, params: list[Tensor], optimizer: torch.optim.Optimizer,
+                 placement: CopyPlacement | None = None) -> None:
+        super().__init__(params, optimizer, placement)
         self.gains = torch.ones(len(params), dtype=torch.float64)
 
     @abstractmethod

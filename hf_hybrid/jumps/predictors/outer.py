@@ -10,17 +10,18 @@ worse.
 The schedule is the period, not the loss forecast's confidence: one Predict step every `period` real steps, with no
 Correct steps (there is no per-step residual to learn). The Predict step runs no backward; its batch is the probe.
 
-Memory: two parameter-sized buffers (the anchor, the momentum), element-wise on local shards, in pinned host memory on
-an accelerator. The momentum exists only while it is not zero, from the first kept jump until a guard rollback clears
-it: a run's first cycle (the warmup's) and a run whose jumps never pay hold the anchor alone. Where no snapshot stands
-on the anchor at the first kept jump, the momentum takes the anchor's buffers and the next cycle makes new ones. The
-buffers cost no device memory, but host-device copies of the parameters' bytes: 2x in per jump (the anchor, into the
-weights for the probe's loss at the cycle's start, where the step then reads it, and the momentum, tensor by tensor), 2x
-in and 1x out more per kept jump (the momentum's update), and 1x out per cycle start. The anchor is left intact by the
-jump (its pseudo-gradient is taken tensor by tensor, and again from the engine's undo copy when the jump is kept) and
-moves only at the start of the next cycle's first accepted real step, before its update: there the weights are known to
-be good, so the guard's snapshot takes the anchor as its copy of the weights (`held_weights`) instead of keeping one of
-its own, and holds only the optimizer state beside it.
+Memory: two parameter-sized buffers (the anchor, the momentum), element-wise on local shards, where the run's rollback
+copies go (memory/placement.py: on the device where they fit its budget, else in pinned host memory). The momentum
+exists only while it is not zero, from the first kept jump until a guard rollback clears it: a run's first cycle (the
+warmup's) and a run whose jumps never pay hold the anchor alone. Where no snapshot stands on the anchor at the first
+kept jump, the momentum takes the anchor's buffers and the next cycle makes new ones. In host memory the buffers cost no
+device memory, but host-device copies of the parameters' bytes: 2x in per jump (the anchor, into the weights for the
+probe's loss at the cycle's start, where the step then reads it, and the momentum, tensor by tensor), 2x in and 1x out
+more per kept jump (the momentum's update), and 1x out per cycle start. The anchor is left intact by the jump (its
+pseudo-gradient is taken tensor by tensor, and again from the engine's undo copy when the jump is kept) and moves only
+at the start of the next cycle's first accepted real step, before its update: there the weights are known to be good, so
+the guard's snapshot takes the anchor as its copy of the weights (`held_weights`) instead of keeping one of its own, and
+holds only the optimizer state beside it.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ...memory.host_buffers import HostCopies, host_like
+from ...memory.host_buffers import HostCopies
+from ...memory.placement import CopyPlacement
 from ...memory.shards import load_tensors, local_shards
 from .base import Predictor
 
@@ -44,13 +46,15 @@ class OuterMomentumPredictor(Predictor):
     uses_forecast = False  # the period schedules its jumps and the probe judges them
 
     def __init__(self, params: list[Tensor], optimizer: torch.optim.Optimizer, period: int, outer_lr: float,
-                 momentum: float) -> None:
-        super().__init__(params, optimizer)
+                 momentum: float, placement: CopyPlacement | None = None) -> None:
+        super().__init__(params, optimizer, placement)
         self.period, self.outer_lr, self.momentum = period, outer_lr, momentum
         # Under DDP every rank holds the same weights, so rank 0 alone keeps the outer state and computes each jump,
         # which it broadcasts: 2x the parameters per job instead of per rank (FSDP2: each rank its shards).
         self.replicated = not self.shard_groups and dist.is_initialized() and dist.get_world_size() > 1
         self.holds_state = not self.replicated or dist.get_rank() == 0
+        if self.holds_state:
+            self.placement.expect(lambda: 2 * sum(t.numel() * t.element_size() for t in local_shards(params)))
         self.anchor: list[Tensor] | None = None  # on the ranks that hold the state
         self.anchored = False  # on every rank
         # A new cycle starts at the next accepted real step: the jump was judged, or the weights were put back.
@@ -86,7 +90,7 @@ class OuterMomentumPredictor(Predictor):
             if self.anchor is None:  # the first cycle, or the first kept jump's momentum took the last anchor's buffers
                 if make_room is not None:
                     make_room()
-                self.anchor = host_like(shards)
+                self.anchor = self.placement.buffers_like(shards)
             self.copies.copy(self.anchor, shards)
         self.anchored, self.anchor_due, self.cycle_steps = True, False, 0
         return True
@@ -99,7 +103,10 @@ class OuterMomentumPredictor(Predictor):
         return self.anchor if self.keeps_weights else None
 
     def host_buffers(self) -> tuple[int, list[Tensor]]:
-        # The anchor and the momentum, until the predictor is released for good (retired, or no prediction at all).
+        # The anchor and the momentum, until the predictor is released for good (retired, or no prediction at all),
+        # unless the placement put them on the device.
+        if self.placement.on_device:
+            return 0, []
         return (2 if self.holds_state and not self.released else 0), [*(self.anchor or []), *self.buf]
 
     @torch.no_grad()
@@ -155,7 +162,7 @@ class OuterMomentumPredictor(Predictor):
         first = self.holds_state and not self.buf
         take_anchor = first and anchor_free
         if first and not take_anchor:
-            self.buf = [b.zero_() for b in host_like(local_shards(self.params))]
+            self.buf = [b.zero_() for b in self.placement.buffers_like(local_shards(self.params))]
         fetch = self.copies.fetch
         for i, (anchor, start, shard) in enumerate(zip(self.anchor or [], before, local_shards(self.params))):
             buf = anchor if take_anchor else self.buf[i]
@@ -191,11 +198,11 @@ class OuterMomentumPredictor(Predictor):
         self.anchored = state["anchored"]
         self.anchor = None
         if self.holds_state and self.anchored and state["anchor"]:  # none after a first kept jump took its buffers
-            self.anchor = host_like(local_shards(self.params))
+            self.anchor = self.placement.buffers_like(local_shards(self.params))
             load_tensors(self.anchor, state["anchor"], "outer anchor")
         self.buf = []
         if self.holds_state and state["buf"]:
-            self.buf = host_like(local_shards(self.params))
+            self.buf = self.placement.buffers_like(local_shards(self.params))
             load_tensors(self.buf, state["buf"], "outer momentum")
         self.cycle_steps = state["cycle_steps"]
         self.anchor_due = state["anchor_due"]

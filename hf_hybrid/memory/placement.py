@@ -1,0 +1,88 @@
+"""Where the rollback copies live on an accelerator: the guard's snapshot (the optimizer's moments, and a copy of the
+weights of its own where it keeps one) and the outer predictor's anchor and momentum.
+
+In pinned host memory they cost no device memory, but every copy crosses the host link: at GPT-2 124M on an H200 the
+guard's snapshot copies took 6-8% of the real steps' time, and a judged jump about two real steps
+(docs/benchmarks-history.md). On the device each is a device-to-device copy. So they go on the device where all of them
+fit in `--hybrid_device_copies_share` of the device memory the run leaves free at its peak so far, and in pinned host
+memory otherwise: a rollback copy must never be what puts a run out of memory. The values are bit for bit the same
+either way.
+
+The choice is made once, where the first copy is allocated. In a fresh run that is the second optimizer step, after the
+first one has shown the peak (forward, backward and the optimizer's step, which creates AdamW's moments, so their bytes
+count exactly); in a run resumed from a checkpoint it is the load, before any step, so the share is of what is free
+without the activations. One line says which was chosen and why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+from transformers.utils import logging
+
+from .host_buffers import host_like
+
+logger = logging.get_logger(__name__)
+
+_GB = 1e9
+
+
+def fits_on_device(copies_bytes: int, room_bytes: int, share: float) -> bool:
+    """Whether copies of `copies_bytes` stay within `share` of `room_bytes`, the memory left free at the peak."""
+    return copies_bytes <= share * room_bytes
+
+
+def room_at_peak(device: torch.device) -> int:
+    """The device memory this process could still take at its peak so far: what the device has free, plus what this
+    process's allocator holds beyond its peak allocation."""
+    free, _ = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.max_memory_allocated(device)
+    return free + max(cached, 0)
+
+
+class CopyPlacement:
+    """The placement of one rank's rollback copies: each owner says, when it is built, how many bytes it may hold at
+    most (`expect`), and allocates its buffers through `buffers_like`."""
+
+    def __init__(self, share: float, announce: bool = True) -> None:
+        self.share = share
+        self.announce = announce  # whether this process says the choice (one per machine)
+        self.on_device: bool | None = None  # None until the first copy is allocated
+        self._sizes: list[Callable[[], int]] = []
+
+    def expect(self, nbytes: Callable[[], int]) -> None:
+        """An owner's most bytes, read when the choice is made (the optimizer's state exists only from its first
+        step)."""
+        self._sizes.append(nbytes)
+
+    def buffers_like(self, tensors: list[Tensor]) -> list[Tensor]:
+        """Uninitialized buffers shaped like `tensors`: beside them on the device, or in pinned host memory
+        (`host_like`, which leaves CPU tensors' buffers on the CPU)."""
+        if self.on_device is None and any(t.is_cuda for t in tensors):
+            self.choose(next(t.device for t in tensors if t.is_cuda))
+        if self.on_device:
+            return [torch.empty_like(t) for t in tensors]
+        return host_like(tensors)
+
+    def expected_bytes(self) -> int:
+        """The most the owners' copies hold together, as of now."""
+        return sum(size() for size in self._sizes)
+
+    def choose(self, device: torch.device) -> None:
+        """Decide, once, and say it: on `device` where the copies fit the share of its room at the peak so far."""
+        need, room = self.expected_bytes(), room_at_peak(device)
+        self.on_device = fits_on_device(need, room, self.share)
+        if not self.announce:
+            return
+        if not self.share:
+            logger.warning("hf_hybrid: the rollback copies are kept in pinned host memory "
+                           "(--hybrid_device_copies_share 0).")
+            return
+        where = "on the GPU" if self.on_device else "in pinned host memory"
+        why = "fit in" if self.on_device else "would take more than"
+        logger.warning(f"hf_hybrid: the rollback copies (the guard's snapshot, the outer anchor and momentum: "
+                       f"{need / _GB:.2f} GB at most) are kept {where}: they {why} {self.share:.0%} of the "
+                       f"{room / _GB:.1f} GB the GPU had free at the run's peak so far "
+                       f"(--hybrid_device_copies_share).")
