@@ -1,0 +1,84 @@
+"""Evidence about the learning rate inside a run's warmup (issue 49): does the path the weights take tell a too-small
+LR from a good one before any raise may start? Tuning-half settings only.
+
+    python scripts/warmup_evidence.py --setting scratch-2x128-docs-constant --learning_rates 3e-4,1e-3,3e-3,1e-2 \
+        --steps 40 --out docs/reports/issue49-warmup-evidence-scratch-2x128-docs-constant.json
+
+The plain Trainer at each LR; after every optimizer step, from the weights alone (no forward):
+- straightness: the distance from the start over the path's length, |x_t - x_0| / sum |x_i - x_i-1|. Adam's steps
+  have about the same size per coordinate at any LR, so a path that keeps its direction (1) is one whose steps are too
+  short for the curvature they meet, and one that turns back (towards 0) has met it. The quantity Prodigy and
+  Mechanic grow their scale on is of this kind: the gradient's alignment with the displacement since the start.
+- turn: the cosine between the step just taken and the one before it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from model_and_data import build_model_and_data, plain_training_args
+from presets import PRESETS
+
+
+def flat(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).float() for p in model.parameters() if p.requires_grad])
+
+
+def warmup_path(preset: dict, learning_rate: float, steps: int, out_dir: str) -> list[list[float]]:
+    """[step, straightness, turn] after each of the first `steps` optimizer steps."""
+    from transformers import Trainer, TrainerCallback
+
+    model, datasets, _ = build_model_and_data(preset, 0)
+    args = plain_training_args(preset, learning_rate, out_dir)
+    rows: list[list[float]] = []
+
+    class Path_(TrainerCallback):
+        start: torch.Tensor | None = None
+        last: torch.Tensor | None = None
+        last_step: torch.Tensor | None = None
+        length = 0.0
+
+        def on_train_begin(self, args_, state, control, model=None, **kwargs):
+            self.start = self.last = flat(model)
+
+        @torch.no_grad()
+        def on_step_end(self, args_, state, control, model=None, **kwargs):
+            now = flat(model)
+            step = now - self.last
+            self.length += float(step.norm())
+            turn = float(torch.nn.functional.cosine_similarity(step, self.last_step, dim=0)) \
+                if self.last_step is not None else 1.0
+            rows.append([state.global_step, float((now - self.start).norm()) / max(self.length, 1e-30), turn])
+            self.last, self.last_step = now, step
+            if state.global_step >= steps:
+                control.should_training_stop = True
+
+    trainer = Trainer(model=model, args=args, train_dataset=datasets["train"], callbacks=[Path_()])
+    trainer.train()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--setting", required=True, help="a survey setting of the tuning half")
+    parser.add_argument("--learning_rates", required=True)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--out", default="runs/warmup-evidence.json")
+    args = parser.parse_args()
+    preset = PRESETS[f"survey-{args.setting}"]
+    if preset["half"] != "tune":
+        parser.error(f"{args.setting} is in the report half, which tuning does not read")
+    found = {}
+    for lr in (float(x) for x in args.learning_rates.split(",")):
+        found[f"{lr:g}"] = warmup_path(preset, lr, args.steps, f"runs/warmup-evidence/{args.setting}-{lr:g}")
+        print(f"{args.setting} {lr:g}: " + " ".join(f"{int(s)}:{r:.2f}/{t:.2f}" for s, r, t in found[f"{lr:g}"]),
+              flush=True)
+    Path(args.out).write_text(json.dumps({"command": "python scripts/warmup_evidence.py " + " ".join(
+        f"--{k} {v}" for k, v in vars(args).items()), "setting": args.setting, "rows": found}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
