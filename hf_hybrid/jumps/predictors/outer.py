@@ -186,7 +186,8 @@ class OuterMomentumPredictor(Predictor):
         self.anchor_due = True
 
     def state_dict(self) -> dict:
-        # Handed over, not cloned: the checkpoint is written at once, and a copy would add 2x the parameters.
+        # In host memory handed over, not cloned: the checkpoint is written at once, and a copy would add 2x the
+        # parameters. On the device they are copied to the host for the save: 2x the parameters while it lasts.
         self.copies.wait()
         return {**super().state_dict(), "anchor": [t.detach().cpu() for t in self.anchor or []],
                 "buf": [t.detach().cpu() for t in self.buf], "cycle_steps": self.cycle_steps,
