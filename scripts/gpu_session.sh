@@ -93,5 +93,7 @@ part jumps "${T_JUMPS:-120}" $BENCH --preset "$PRESET" --mode memory --max_steps
 part faults "${T_FAULTS:-180}" $PY scripts/benchmark.py --preset "$PRESET" --mode faults --full_determinism \
   --max_steps "${FAULT_STEPS:-300}" --output_dir "$WORK/faults"
 
+# Where each part's rollback copies went (memory/placement.py): the line the trainer says at its second step.
+grep -h -m1 -o "the rollback copies.*" "$WORK"/logs/*.log 2>/dev/null | sort | uniq -c | tee -a "$SUMMARY"
 $PY scripts/gpu_summary.py "$WORK" --json "$OUT/suite.json" | tee -a "$SUMMARY"
 tar czf "$OUT/work.tgz" -C "$WORK" --exclude='*.png' --exclude='checkpoint-*' . 2>/dev/null
