@@ -11,13 +11,9 @@ reach is in today's steps at the schedule's peak (autopilot/scale.py's units).
 
 from __future__ import annotations
 
-import argparse
-import json
-from pathlib import Path
-
 import torch
 from model_and_data import build_model_and_data, plain_training_args
-from presets import PRESETS
+from tuning_half import per_learning_rate
 
 from hf_hybrid.autopilot.line import SPACING, _move_along_next_step, _step_groups
 from hf_hybrid.autopilot.scale import reach_of_line
@@ -60,24 +56,5 @@ def early_lines(preset: dict, learning_rate: float, steps: int, out_dir: str) ->
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--setting", required=True, help="a survey setting of the tuning half")
-    parser.add_argument("--learning_rates", required=True)
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--out", default="runs/early-lines.json")
-    args = parser.parse_args()
-    preset = PRESETS[f"survey-{args.setting}"]
-    if preset["half"] != "tune":
-        parser.error(f"{args.setting} is in the report half, which tuning does not read")
-    found = {}
-    for lr in (float(x) for x in args.learning_rates.split(",")):
-        found[f"{lr:g}"] = early_lines(preset, lr, args.steps, f"runs/early-lines/{args.setting}-{lr:g}")
-        print(f"{args.setting} {lr:g}: " + " ".join(f"{int(s)}:{r:.3g}" for s, _, r, _ in found[f"{lr:g}"]),
-              flush=True)
-    Path(args.out).write_text(json.dumps({"command": "python scripts/early_lines.py " + " ".join(
-        f"--{k} {v}" for k, v in vars(args).items()), "setting": args.setting, "rows": found}, indent=1) + "\n")
-
-
 if __name__ == "__main__":
-    main()
+    per_learning_rate("early-lines", __doc__, early_lines, lambda row: f"{int(row[0])}:{row[2]:.3g}", default_steps=60)

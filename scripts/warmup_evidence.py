@@ -14,13 +14,9 @@ The plain Trainer at each LR; after every optimizer step, from the weights alone
 
 from __future__ import annotations
 
-import argparse
-import json
-from pathlib import Path
-
 import torch
 from model_and_data import build_model_and_data, plain_training_args
-from presets import PRESETS
+from tuning_half import per_learning_rate
 
 
 def flat(model: torch.nn.Module) -> torch.Tensor:
@@ -61,24 +57,6 @@ def warmup_path(preset: dict, learning_rate: float, steps: int, out_dir: str) ->
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--setting", required=True, help="a survey setting of the tuning half")
-    parser.add_argument("--learning_rates", required=True)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--out", default="runs/warmup-evidence.json")
-    args = parser.parse_args()
-    preset = PRESETS[f"survey-{args.setting}"]
-    if preset["half"] != "tune":
-        parser.error(f"{args.setting} is in the report half, which tuning does not read")
-    found = {}
-    for lr in (float(x) for x in args.learning_rates.split(",")):
-        found[f"{lr:g}"] = warmup_path(preset, lr, args.steps, f"runs/warmup-evidence/{args.setting}-{lr:g}")
-        print(f"{args.setting} {lr:g}: " + " ".join(f"{int(s)}:{r:.2f}/{t:.2f}" for s, r, t in found[f"{lr:g}"]),
-              flush=True)
-    Path(args.out).write_text(json.dumps({"command": "python scripts/warmup_evidence.py " + " ".join(
-        f"--{k} {v}" for k, v in vars(args).items()), "setting": args.setting, "rows": found}, indent=1) + "\n")
-
-
 if __name__ == "__main__":
-    main()
+    per_learning_rate("warmup-evidence", __doc__, warmup_path,
+                      lambda row: f"{int(row[0])}:{row[1]:.2f}/{row[2]:.2f}", default_steps=40)
