@@ -4,7 +4,7 @@ LR from a good one before any raise may start? Tuning-half settings only.
     python scripts/warmup_evidence.py --setting scratch-2x128-docs-constant --learning_rates 3e-4,1e-3,3e-3,1e-2 \
         --steps 40 --out docs/reports/issue49-warmup-evidence-scratch-2x128-docs-constant.json
 
-The plain Trainer at each LR; after every optimizer step, from the weights alone (no forward):
+The plain Trainer at each LR; after every optimizer step, from the weights and the gradient (no extra forward):
 - straightness: the distance from the start over the path's length, |x_t - x_0| / sum |x_i - x_i-1|. Adam's steps
   have about the same size per coordinate at any LR, so a path that keeps its direction (1) is one whose steps are too
   short for the curvature they meet, and one that turns back (towards 0) has met it. The quantity Prodigy and
