@@ -3,7 +3,7 @@
 # important parts first, each part under its own time limit so that a slow one leaves the rest their turn.
 #
 #   CALL=1 bash scripts/gpu_session.sh   # scratch, then finetune (about 8 minutes on an H100 or H200, predicted)
-#   CALL=2 bash scripts/gpu_session.sh   # cost, then scratch355 (about 4.5 minutes, predicted)
+#   CALL=2 bash scripts/gpu_session.sh   # cost, placement, then scratch355 (about 5 minutes, predicted)
 #   PARTS="tests overhead" bash scripts/gpu_session.sh   # any parts, in the order below
 #   PRESET=smoke bash scripts/gpu_session.sh   # every part at tiny shapes on a CPU (tests/test_gpu_session.py)
 #
@@ -47,8 +47,8 @@ else
 fi
 case "${CALL:-}" in
   1) DEFAULT_PARTS="scratch finetune" ;;
-  2) DEFAULT_PARTS="cost scratch355" ;;
-  *) DEFAULT_PARTS="scratch finetune cost scratch355" ;;
+  2) DEFAULT_PARTS="cost placement scratch355" ;;
+  *) DEFAULT_PARTS="scratch finetune cost placement scratch355" ;;
 esac
 PARTS=${PARTS:-$DEFAULT_PARTS}
 SUMMARY="$OUT/summary.txt"
@@ -74,6 +74,8 @@ part finetune "${T_FINETUNE:-240}" $BENCH --preset "$FINETUNE" --learning_rate 5
 # exactly as the Trainer does, so that whatever differs in wall clock is the hybrid's cost.
 part cost "${T_COST:-200}" $PY scripts/benchmark.py --preset "$PRESET" --repeats 3 --seed 0 --full_determinism \
   --max_steps "${COST_STEPS:-200}" --output_dir "$WORK/cost"
+# The rollback copies on the device and in pinned memory: where each went, and the two runs bit for bit equal.
+part placement "${T_PLACEMENT:-60}" $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py -k rollback_copies
 part scratch355 "${T_355:-100}" $BENCH --preset "$MEDIUM" --lr_scale 0.1 --max_steps "${STEPS_355:-150}" \
   --output_dir "$WORK/scratch355"
 
