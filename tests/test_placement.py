@@ -34,6 +34,13 @@ def test_the_copies_go_on_the_device_only_within_the_share_of_the_room_at_the_pe
     assert says in caplog.text and caplog.text.count("hf_hybrid:") == 1
 
 
+def test_a_share_of_0_keeps_the_copies_on_the_host_however_few_bytes_they_take(monkeypatch):
+    monkeypatch.setattr(placement_module, "room_at_peak", lambda device: 600 * GB)
+    placement = CopyPlacement(0.0, announce=False)
+    placement.choose(torch.device("cuda", 0))
+    assert placement.on_device is False
+
+
 def test_on_the_cpu_nothing_is_chosen_and_the_buffers_lie_beside_the_tensors():
     placement = CopyPlacement(1.0)
     tensors = [torch.randn(3, 2), torch.randn(4)]

@@ -29,11 +29,6 @@ logger = logging.get_logger(__name__)
 _GB = 1e9
 
 
-def fits_on_device(copies_bytes: int, room_bytes: int, share: float) -> bool:
-    """Whether copies of `copies_bytes` stay within `share` of `room_bytes`, the memory left free at the peak."""
-    return copies_bytes <= share * room_bytes
-
-
 def room_at_peak(device: torch.device) -> int:
     """The device memory this process could still take at its peak so far: what the device has free, plus what this
     process's allocator holds beyond its peak allocation."""
@@ -73,7 +68,7 @@ class CopyPlacement:
     def choose(self, device: torch.device) -> None:
         """Decide, once, and say it: on `device` where the copies fit the share of its room at the peak so far."""
         need, room = self.expected_bytes(), room_at_peak(device)
-        self.on_device = fits_on_device(need, room, self.share)
+        self.on_device = bool(self.share) and need <= self.share * room  # a share of 0 keeps them off, however few
         if not self.announce:
             return
         if not self.share:
