@@ -3,15 +3,15 @@
 Thin glue: the Trainer subclass holds its overrides; what they call lives in the capability packages (jumps/, guard/,
 autopilot/) and in loop/ and memory/, which they share. The parts reach the trainer through loop/seam.py's protocol.
 Each override exists for one reason:
-- `get_batch_samples`: a rolled-back jump's batches were never trained on; they are handed out again
-  before fresh ones, so the run keeps the Trainer's data order (loop/replay.py);
-- `training_step`: a Predict step must run no backward (only a no-grad forward to check the loss),
-  and its predicted delta is applied at the first micro-batch of the optimizer step;
-- `_clip_grad_norm` / `_get_grad_norm`: the Trainer calls them on every optimizer step; on a step with
-  no backward they must not touch the gradients (or the fp16 GradScaler's unscale bookkeeping), and on
-  a real step the gradient norm is where a NaN or an explosion is caught before the optimizer runs;
-- `_save_optimizer_and_scheduler` / `_load_optimizer_and_scheduler`: they run on every rank, so the
-  hybrid state is saved and restored beside the optimizer's (checkpoint.py: replicated tensors once per job);
+- `get_batch_samples`: a rolled-back jump's batches were never trained on; they are handed out again before fresh
+  ones, so the run keeps the Trainer's data order (loop/replay.py);
+- `training_step`: a Predict step runs no backward (only a no-grad forward to check the loss), and its predicted delta
+  is applied at the first micro-batch of the optimizer step;
+- `_clip_grad_norm` / `_get_grad_norm`: the Trainer calls them on every optimizer step; on a step with no backward
+  they must not touch the gradients (or the fp16 GradScaler's unscale bookkeeping), and on a real step the gradient
+  norm is where a NaN or an explosion is caught before the optimizer runs;
+- `_save_optimizer_and_scheduler` / `_load_optimizer_and_scheduler`: they run on every rank, so the hybrid state is
+  saved and restored beside the optimizer's (checkpoint.py: replicated tensors once per job);
 - `_load_rng_state`: the checkpoint's RNG already holds the DataLoader seed draws that loop/epoch_seed.py defers;
 - `log`: to merge the `hybrid/...` metrics into the Trainer's logs, so every `report_to` gets them;
 - `train`: a run the guard stopped raises `GuardStoppedError` once the Trainer has finished its bookkeeping.
@@ -26,7 +26,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.utils import logging
 
 from .autopilot.runner import LrAutopilot, build_autopilot
-from .autopilot.scale import LrScale
+from .autopilot.setup import plain_stats
 from .checkpoint import Stateful, find_hybrid_state, load_hybrid_state, load_parts, save_hybrid_state
 from .config import hybrid_config, ignored_flags
 from .guard.rules import StepGuard
@@ -92,8 +92,7 @@ class HybridMixin:
         if not self.hybrid_config.enabled:
             return
         check_launch_mode(self)
-        ignored = ignored_flags(self.args)
-        if ignored and self.args.process_index == 0:
+        if (ignored := ignored_flags(self.args)) and self.args.process_index == 0:
             logger.warning(f"hf_hybrid: --hybrid_predictor {self.hybrid_config.jumps.predictor.name} does not read "
                            f"{', '.join('--' + f for f in ignored)}: they have no effect on this run.")
         # First in line: a rollback extends max_steps at the step's end, before DefaultFlowCallback decides to stop.
@@ -109,9 +108,9 @@ class HybridMixin:
     def hybrid_stats(self) -> dict:
         """Optimizer steps per phase, backward reduction, rollbacks and divergences so far."""
         guard = self._guard_loop.guard if self._guard_loop is not None else StepGuard(self.hybrid_config.guard)
-        scale = self._lr_autopilot.scale if self._lr_autopilot is not None else LrScale()
+        autopilot = self._lr_autopilot.stats() if self._lr_autopilot is not None else plain_stats()
         engine = self._hybrid.stats() if self._hybrid is not None else HybridEngine.plain_stats(self.state.global_step)
-        return {**engine, **guard.stats(), **scale.stats()}
+        return {**engine, **guard.stats(), **autopilot}
 
     # ---- the step ---------------------------------------------------------------------------------
 
@@ -170,6 +169,8 @@ class HybridMixin:
         record = self._hybrid.record if self._hybrid is not None else None
         if record is not None and record.phase.has_backward and self.accelerator.sync_gradients:
             self._hybrid.before_optimizer_step(self.current_learning_rate())
+            if self._lr_autopilot is not None:
+                self._lr_autopilot.before_update(self.state.global_step + 1)
 
     def _hybrid_after_optimizer_step(self) -> None:
         record = self._hybrid.record if self._hybrid is not None else None

@@ -550,6 +550,7 @@ def test_no_raise_starts_before_the_third_reading_after_a_guard_skip(tmp_path, m
     from .test_safety import nan_model
 
     monkeypatch.setattr("hf_hybrid.autopilot.scale.reach_of_line", lambda f0, f1, f2: 10.0 / SPACING)
+    monkeypatch.setattr("hf_hybrid.autopilot.alignment.ALIGNED", math.inf)  # a raise needs the line twice
     model = nan_model(at_grad=() if nan_at is None else (nan_at,))
     trainer = make_trainer(tmp_path, model=model, learning_rate=1e-4, lr_scheduler_type="constant",
                            **{**OUTER, "max_steps": 70})
@@ -576,6 +577,7 @@ def test_no_raise_starts_where_the_run_would_end_before_its_verdict(tmp_out, mon
     keeps it, but starts no other, whose verdict would come after the end. Had one been open at the end, the end line
     would advise only the LR that was judged."""
     monkeypatch.setattr("hf_hybrid.autopilot.scale.reach_of_line", lambda f0, f1, f2: 10.0 / SPACING)
+    monkeypatch.setattr("hf_hybrid.autopilot.alignment.ALIGNED", math.inf)  # raises of 2x, whatever the first steps
     trainer = make_trainer(tmp_out, learning_rate=1e-4, lr_scheduler_type="constant", **{**OUTER, "max_steps": 40})
     read_at = train_noting_readings(trainer)
     scale = trainer._lr_autopilot.scale
@@ -589,12 +591,14 @@ def test_no_raise_starts_where_the_run_would_end_before_its_verdict(tmp_out, mon
     assert trainer._lr_autopilot.summary().endswith("--learning_rate 0.0001 stands.")
 
 
-def test_no_raise_starts_in_the_first_descent_just_after_the_warmup(tmp_out, monkeypatch):
+@pytest.mark.parametrize("aligned", [False, True])
+def test_no_raise_starts_in_the_first_descent_just_after_the_warmup(tmp_out, monkeypatch, aligned):
     """A run from scratch still falls steeply for a few steps after a short warmup, where its line reads long at any
     LR (cpu-small at its own LR: 8 steps at step 20, a raise there ended 0.28 above the Trainer). Every line reads
     10 steps here: the reading as a 20-step warmup ends only gives the next one its rate, and is no evidence; the
-    first raise needs two long readings past the first descent."""
+    first raise needs two long readings past the first descent, or one where the first steps were aligned."""
     monkeypatch.setattr("hf_hybrid.autopilot.scale.reach_of_line", lambda f0, f1, f2: 10.0 / SPACING)
+    monkeypatch.setattr("hf_hybrid.autopilot.alignment.ALIGNED", -math.inf if aligned else math.inf)
     trainer = make_trainer(tmp_out, learning_rate=1e-4, warmup_steps=20, lr_scheduler_type="constant_with_warmup",
                            **{**OUTER, "max_steps": 70})
     scales = []
@@ -606,4 +610,5 @@ def test_no_raise_starts_in_the_first_descent_just_after_the_warmup(tmp_out, mon
     trainer.add_callback(Scale())
     read_at = train_noting_readings(trainer)
     assert read_at[:3] == [20, 30, 40], read_at
-    assert scales[38] == 1.0 and scales[39] > 1.0, scales  # raised at step 40, not before
+    raised_at = 30 if aligned else 40
+    assert scales[raised_at - 2] == 1.0 and scales[raised_at - 1] > 1.0, scales  # raised there, not before

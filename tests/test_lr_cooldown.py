@@ -4,6 +4,7 @@ and the short-horizon trap it answers (issue 49)."""
 from __future__ import annotations
 
 import logging
+import math
 import sys
 from pathlib import Path
 
@@ -39,6 +40,7 @@ def test_a_raised_constant_schedule_ends_at_the_users_lr_and_says_so(tmp_out, mo
     step to the user's at the end; no raise starts in the 10 steps before it; the end line says so and advises no
     higher constant LR."""
     monkeypatch.setattr("hf_hybrid.autopilot.scale.reach_of_line", lambda f0, f1, f2: 10.0 / SPACING)
+    monkeypatch.setattr("hf_hybrid.autopilot.alignment.ALIGNED", math.inf)  # raises of 2x, whatever the first steps
     trainer = _constant_run(tmp_out)
     with caplog.at_level(logging.WARNING):
         trainer.train()

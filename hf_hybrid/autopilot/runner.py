@@ -18,7 +18,6 @@ cpu-lora, seed 1: a run whose one raise was undone and whose jumps were all reje
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import torch
 from transformers.utils import logging
@@ -26,13 +25,12 @@ from transformers.utils import logging
 from ..guard.runner import GuardAtLoop
 from ..loop.seam import HybridTrainer
 from ..memory.snapshot import WeightSnapshot
+from .alignment import StartAlignment
 from .cooldown import cooldown_start, cooled_scale
 from .line import SPACING, adam_family, next_step_line
 from .scale import LrScale
+from .setup import inner_scheduler, lr_autopilot_missing, scalable_schedule
 from .verdict import raise_gain
-
-if TYPE_CHECKING:
-    from ..config import HybridConfig
 
 logger = logging.get_logger(__name__)
 
@@ -52,27 +50,6 @@ READ_EVERY = 10
 FIRST_DESCENT_STEPS = 10
 
 
-def lr_autopilot_missing(config: HybridConfig) -> list[str] | None:
-    """What the learning-rate autopilot asked for by the flags lacks to run: None when it is not asked for, else the
-    list (empty: it runs)."""
-    if not (config.enabled and config.autopilot.enabled):
-        return None
-    return [] if config.guard.snapshots else ["the guard's snapshots (the undo point): --hybrid_guard and "
-                                 "--hybrid_guard_snapshot_steps > 0"]
-
-
-def inner_scheduler(trainer):
-    """The Trainer's scheduler itself, unwrapped from accelerate's."""
-    return getattr(trainer.lr_scheduler, "scheduler", trainer.lr_scheduler)
-
-
-def scalable_schedule(trainer) -> bool:
-    """Whether the Trainer's scheduler scales with its base learning rates (a `LambdaLR`: every named schedule but
-    `reduce_lr_on_plateau`)."""
-    scheduler = inner_scheduler(trainer)
-    return hasattr(scheduler, "base_lrs") and hasattr(scheduler, "lr_lambdas")
-
-
 class LrAutopilot:
     """The judged learning-rate scale of one run, identical on every rank."""
 
@@ -83,6 +60,7 @@ class LrAutopilot:
         self.probe: dict | None = None  # the run's first micro-batch, read at every reading
         # The weights while a reading or a verdict moves them, held only meanwhile; placed as a jump's undo copy.
         self.scratch = WeightSnapshot(on_host=trainer.hybrid_config.jumps.offload_snapshot)
+        self.alignment = StartAlignment()
         self.last_reading = 0  # the global step of the last reading
         self.read_every = READ_EVERY
         self.last_line: tuple[float, float, float] | None = None  # for the step trace
@@ -99,6 +77,10 @@ class LrAutopilot:
         if self.probe is None:
             self.probe = {k: v.detach().clone() for k, v in self.trainer.prepare_inputs(inputs).items()
                           if isinstance(v, torch.Tensor)}
+
+    def before_update(self, step: int) -> None:
+        """Before optimizer step `step`'s update (1-based), with the gradients in place: the first steps' alignment."""
+        self.alignment.before_update(self.trainer, step, self.trainer.hybrid_engine.params)
 
     @property
     def _scheduler(self):
@@ -175,7 +157,8 @@ class LrAutopilot:
             self.last_line = tuple(line)
             decision = scale.reading(*line, spacing=SPACING, steps=step - self.last_reading,
                                      schedule_factor=self._schedule_factor(), frozen=self._frozen(),
-                                     trial_paid=scale.on_trial and self._raise_paid())
+                                     trial_paid=scale.on_trial and self._raise_paid(),
+                                     aligned=self.alignment.aligned is True)
             self.last_reading = step
             busy = decision in ("raise", "keep") or scale.on_trial or not had_rate or scale.evidence_building
             self.read_every = READ_EVERY if busy else 2 * self.read_every
@@ -259,6 +242,10 @@ class LrAutopilot:
                     f"right.")
         return None
 
+    def stats(self) -> dict:
+        """For `hybrid_stats()`: the scale's counts and the first steps' alignment."""
+        return {**self.scale.stats(), "lr_start_alignment": self.alignment.mean}
+
     def log_metrics(self) -> dict[str, float]:
         """The scale the next step uses: the judged one, or on its way back to 1 in the cooldown."""
         return {"hybrid/lr_scale": float(self._scale_in_effect())}
@@ -266,13 +253,15 @@ class LrAutopilot:
     def state_dict(self) -> dict:
         probe = {k: v.detach().cpu() for k, v in self.probe.items()} if self.probe is not None else None
         return {"scale": self.scale.state_dict(), "user_base_lrs": list(self.user_base_lrs),
-                "last_reading": self.last_reading, "read_every": self.read_every, "probe": probe}
+                "last_reading": self.last_reading, "read_every": self.read_every, "probe": probe,
+                "alignment": self.alignment.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         # The scheduler's own state, loaded with the checkpoint, holds the scaled base LRs.
         self.scale.load_state_dict(state["scale"])
         self.user_base_lrs, self.last_reading = state["user_base_lrs"], state["last_reading"]
         self.read_every = state["read_every"]
+        self.alignment.load_state_dict(state["alignment"], self.trainer.hybrid_engine.params)
         device = self.trainer.args.device
         self.probe = {k: v.to(device) for k, v in state["probe"].items()} if state["probe"] is not None else None
 

@@ -21,7 +21,8 @@ step (autopilot/line.py): the weights W, W + c*step and W + 2c*step. Call their 
 A raise is a trial. The scale is multiplied by what would put the line's bottom at TARGET_REACH steps (the shorter of
 the two readings; a steady reach: its median at STEADY_TARGET), at most MAX_RAISE at a time and MAX_SCALE in all, and
 the trainer takes an undo point. A raise at most doubles the scale because a reach overstates how far the best LR
-is, and past it the final loss rises steeply (from scratch: 4.807 at the swept LR, 5.139 at 1.33x it); the next raise
+is, and past it the final loss rises steeply (from scratch: 4.807 at the swept LR, 5.139 at 1.33x it), unless the
+run's first steps were aligned (autopilot/alignment.py: MAX_ALIGNED_RAISE on the line read twice); the next raise
 needs the line to read long again at the new scale (the reading that asked for a raise counts there at its reach
 divided by the raise). The next reading judges the trial: the raise is undone when the raised steps did worse, on the
 probe, than the point the old scale would have reached over the same batches (autopilot/verdict.py), and then everything
@@ -62,6 +63,10 @@ def reach_of_line(f0: float, f1: float, f2: float) -> float:
 # A fine-tune at TrainingArguments' 5e-5 can sit 30x below its best LR (docs/benchmarks-history.md: the cap).
 MAX_SCALE = 32.0
 MAX_RAISE = 2.0
+# Where the first steps' alignment says the LR is far too small, the line's own size (a fine-tune at a thirtieth of its
+# swept LR reads 12-70 steps) is let through up to here: at 2x a reading, such a run took until step 60 to reach 32x,
+# and recovered 0.79 of a sweep's gain where a switch to the swept LR at step 10 recovers all of it.
+MAX_ALIGNED_RAISE = 4.0
 RAISE_REACH = 4.0  # a next step worth this many of today's (at the schedule's peak), twice in a row, asks for a raise
 TARGET_REACH = 2.0  # and the raise aims the line's bottom here: reaches of 9 and 5 raise 2.5x, capped at MAX_RAISE
 STEADY_READINGS = 3
@@ -86,11 +91,12 @@ class LrScale:
     previous: float | None = None  # the last reading's reach where a raise may start, in today's steps
 
     def reading(self, f0: float, f1: float, f2: float, spacing: float, steps: int, schedule_factor: float,
-                frozen: bool, trial_paid: bool = False) -> str | None:
+                frozen: bool, trial_paid: bool = False, aligned: bool = False) -> str | None:
         """One reading, `steps` real steps after the last; `frozen`: no raise may start now (the schedule's warmup or
-        final decay); `trial_paid`: on a trial, the verdict on the raise. Returns what the trainer must do: "raise",
-        "keep" (a trial passed; the scale may have risen again), "undo" (restore the undo point: the scale is already
-        back), or None."""
+        final decay); `trial_paid`: on a trial, the verdict on the raise; `aligned`: the run's first steps said its LR
+        is far too small (autopilot/alignment.py), so one long line asks for a raise, of up to MAX_ALIGNED_RAISE.
+        Returns what the trainer must do: "raise", "keep" (a trial passed; the scale may have risen again), "undo"
+        (restore the undo point: the scale is already back), or None."""
         self.readings += 1
         rate = (self.last_loss - f0) / steps if self.last_loss is not None and steps > 0 else None
         self.last_loss = f0
@@ -113,12 +119,15 @@ class LrScale:
         if frozen:
             return verdict
         self.recent = (*self.recent, reach)[-STEADY_READINGS:]
-        twice = min(reach, previous) if previous is not None else 0.0
+        # An aligned run's first steps already said what a second long reading would: one suffices, and so does a
+        # first reading, which has no rate yet.
+        twice = reach if aligned else min(reach, previous) if previous is not None else 0.0
         steady = statistics.median(self.recent) if len(self.recent) == STEADY_READINGS else 0.0
-        wanted = max(twice / TARGET_REACH if twice >= RAISE_REACH else 0.0,
-                     steady / STEADY_TARGET if steady >= STEADY_REACH else 0.0)
-        factor = min(wanted, MAX_RAISE, MAX_SCALE / self.scale)
-        if rate is not None and rate > 0 and not self.wait and factor > 1.0:
+        wanted = max(min(twice / TARGET_REACH, MAX_ALIGNED_RAISE if aligned else MAX_RAISE) if twice >= RAISE_REACH
+                     else 0.0, min(steady / STEADY_TARGET, MAX_RAISE) if steady >= STEADY_REACH else 0.0)
+        factor = min(wanted, MAX_SCALE / self.scale)
+        progress = rate > 0 if rate is not None else aligned
+        if progress and not self.wait and factor > 1.0:
             self.trial_from, self.trial_loss, self.recent = self.scale, f0, ()
             self.scale *= factor
             self.previous = reach / factor
@@ -167,8 +176,7 @@ class LrScale:
         return self.scale / self.trial_from
 
     def stats(self) -> dict:
-        """For `hybrid_stats()`; a fresh scale's (1.0, nothing tried) when the autopilot is off, so that the keys never
-        depend on the flags."""
+        """For `hybrid_stats()` (with autopilot/setup.py's `plain_stats` where the autopilot is off)."""
         return {"lr_scale": self.scale, "lr_raises_kept": self.raises_kept, "lr_trials_undone": self.trials_undone,
                 "lr_lowered": self.lowered, "lr_readings": self.readings}
 

@@ -1,0 +1,80 @@
+"""Evidence from a run's first steps that its learning rate is far too small: the gradient's alignment with the
+displacement since the start, the signal Mechanic and Prodigy grow their step on.
+
+Over optimizer steps FIRST_STEP to LAST_STEP, before each update, the cosine between the gradient and the weights'
+displacement since the first update, negated: positive while the gradient still points on along the way already
+come, as it does when every step is too short to reach the bottom of what it descends. Its mean over the window says
+whether the run is `aligned`. Measured on the tuning half of the autopilot's survey (docs/benchmarks.md, "The weights'
+path inside the warmup"), mean over steps 3-10:
+- full fine-tuning at 5e-5 and 1.5e-4 (a thirtieth and a tenth of its swept LR) 0.114 and 0.087, and 0.121 and 0.077
+  at 5e-5 and 5e-4 on an unswept one; 0.016-0.019 at a third of the swept LR and above;
+- from scratch 0.018-0.057 at every LR, the highest at a tenth;
+- LoRA 0.29-0.43 at every LR: its adapters start at zero, so the displacement is all theirs.
+ALIGNED sits between the scratch runs' 0.057 and the fine-tunes' 0.077. The alignment does not ask for a raise: the
+line (autopilot/scale.py) still does, but in an aligned run one long reading is enough, not two in a row, and the raise
+may be up to MAX_ALIGNED_RAISE; the verdict judges it as any other. So a LoRA run at a good LR, aligned but reading a
+short line, is not raised.
+
+Costs one copy of the weights from the first update to LAST_STEP, then released: in pinned host memory on an
+accelerator, so that it adds nothing to the device's peak in the steps that also take the guard's first snapshots, and
+comes in over the host link once per step inside the window. A checkpoint saved inside the window carries it, so a
+resumed run reads the same mean. Three dot products per step inside the window; no forward. Under FSDP2 each rank
+reads its own shards and the sums are averaged across ranks (a common factor, which the cosine ignores).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..loop.seam import HybridTrainer
+from ..memory.shards import local_shard
+from ..memory.snapshot import WeightSnapshot
+
+FIRST_STEP, LAST_STEP = 3, 10  # 1-based optimizer steps: the first two have no displacement worth a direction
+ALIGNED = 0.07
+
+
+class StartAlignment:
+    """The alignment's mean over the window, and the verdict it gives once the window has closed."""
+
+    def __init__(self) -> None:
+        self.start = WeightSnapshot(on_host=True)  # the weights before the first update
+        self.total, self.count = 0.0, 0
+        self.aligned: bool | None = None  # None until the window has closed
+
+    @torch.no_grad()
+    def before_update(self, trainer: HybridTrainer, step: int, params: list[torch.Tensor]) -> None:
+        """Before the update of optimizer step `step` (1-based), with the gradients in place."""
+        if self.aligned is not None:
+            return
+        weights = [local_shard(p) for p in params]
+        if not self.start.valid:
+            self.start.capture(weights)
+        if FIRST_STEP <= step <= LAST_STEP:
+            sums = torch.zeros(3, dtype=torch.float64, device=weights[0].device)
+            for p, w, w0 in zip(params, weights, self.start.settled()):
+                if p.grad is None:
+                    continue
+                grad = local_shard(p.grad).float()
+                away = w.float() - w0.to(w.device, non_blocking=True).float()
+                sums += torch.stack([(grad * away).sum(), (grad * grad).sum(), (away * away).sum()]).double()
+            dot, gradient_sq, away_sq = trainer.reduce_across_ranks(*sums)
+            if gradient_sq > 0 and away_sq > 0 and math.isfinite(dot):
+                self.total -= dot / math.sqrt(gradient_sq * away_sq)
+                self.count += 1
+        if step >= LAST_STEP:
+            self.aligned = self.count > 0 and self.mean >= ALIGNED
+            self.start.release()
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.count if self.count else 0.0
+
+    def state_dict(self) -> dict:
+        return {"total": self.total, "count": self.count, "aligned": self.aligned, "start": self.start.state_dict()}
+
+    def load_state_dict(self, state: dict, params: list[torch.Tensor]) -> None:
+        self.total, self.count, self.aligned = state["total"], state["count"], state["aligned"]
+        self.start.load_state_dict(state["start"], [local_shard(p) for p in params])

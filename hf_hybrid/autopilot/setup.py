@@ -1,0 +1,38 @@
+"""What the learning-rate autopilot needs of a run (the flags, and a schedule that scales with its base learning rates),
+and what `hybrid_stats()` reports where it is off."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .scale import LrScale
+
+if TYPE_CHECKING:
+    from ..config import HybridConfig
+
+
+def lr_autopilot_missing(config: HybridConfig) -> list[str] | None:
+    """What the learning-rate autopilot asked for by the flags lacks to run: None when it is not asked for, else the
+    list (empty: it runs)."""
+    if not (config.enabled and config.autopilot.enabled):
+        return None
+    return [] if config.guard.snapshots else ["the guard's snapshots (the undo point): --hybrid_guard and "
+                                 "--hybrid_guard_snapshot_steps > 0"]
+
+
+def inner_scheduler(trainer):
+    """The Trainer's scheduler itself, unwrapped from accelerate's."""
+    return getattr(trainer.lr_scheduler, "scheduler", trainer.lr_scheduler)
+
+
+def scalable_schedule(trainer) -> bool:
+    """Whether the Trainer's scheduler scales with its base learning rates (a `LambdaLR`: every named schedule but
+    `reduce_lr_on_plateau`)."""
+    scheduler = inner_scheduler(trainer)
+    return hasattr(scheduler, "base_lrs") and hasattr(scheduler, "lr_lambdas")
+
+
+def plain_stats() -> dict:
+    """`hybrid_stats()`'s autopilot keys where it is off: a fresh scale's (1.0, nothing tried), so that the keys never
+    depend on the flags."""
+    return {**LrScale().stats(), "lr_start_alignment": 0.0}
