@@ -122,13 +122,16 @@ def _steps(args) -> list[str]:
 
 
 def rows(reports: Path, half: str) -> list[dict]:
-    """Per setting with reports: each arm's median G over seeds, in updates and in wall clock."""
+    """Per setting with reports at the library's current behaviour version: each arm's median G over seeds, in updates
+    and in wall clock."""
+    from hf_hybrid import BEHAVIOUR_VERSION
+
     out = []
     for name, setting in settings().items():
-        seeds = sorted(reports.glob(f"{name}-user-seed*.json"))
-        if half != "all" and setting["half"] != half or not seeds:
+        runs = [json.loads(path.read_text()) for path in sorted(reports.glob(f"{name}-user-seed*.json"))]
+        runs = [r for r in runs if (r.get("environment") or {}).get("behaviour_version") == BEHAVIOUR_VERSION]
+        if half != "all" and setting["half"] != half or not runs:
             continue
-        runs = [json.loads(path.read_text()) for path in seeds]
         row = {"setting": name, "half": setting["half"], "seeds": len(runs),
                "learning_rate": runs[0]["learning_rate"], "swept_learning_rate": runs[0]["swept_learning_rate"]}
         for arm in G_ARMS:

@@ -276,10 +276,12 @@ def train_recording_snapshots(trainer) -> dict[int, tuple[int | None, bool]]:
     return rows
 
 
-def test_after_a_save_the_guard_holds_a_copy_of_its_own_until_the_next_cycle_starts(tmp_out):
+def test_after_a_save_the_guard_holds_a_copy_of_its_own_until_the_next_cycle_starts(tmp_out, monkeypatch):
     """A resumed run has the anchor from the checkpoint but not the optimizer state of the cycle's start, so both runs
     take a snapshot of their own at the step after a save (1x the parameters more), and stand on the anchor again
     where the next cycle starts."""
+    # The tiny model reads aligned at 3e-3 (autopilot/alignment.py), where a raise would move the steps counted here.
+    monkeypatch.setattr("hf_hybrid.autopilot.alignment.ALIGNED", float("inf"))
     trainer = make_trainer(tmp_out, **OUTER, max_steps=30, save_strategy="steps", save_steps=13,
                            hybrid_payoff_check=False)
     rows = train_recording_snapshots(trainer)
@@ -290,9 +292,11 @@ def test_after_a_save_the_guard_holds_a_copy_of_its_own_until_the_next_cycle_sta
     assert rows[after_save + 1] == (after_save, True)  # on the anchor again: the own copy is given back
 
 
-def test_a_cycle_longer_than_the_snapshot_interval_takes_copies_of_its_own(tmp_out):
+def test_a_cycle_longer_than_the_snapshot_interval_takes_copies_of_its_own(tmp_out, monkeypatch):
     """The warmup makes the first cycle long: the rollback point still moves every `hybrid_guard_snapshot_steps`
     steps, with a copy of the weights of its own, and goes back onto the anchor where the next cycle starts."""
+    # The tiny model reads aligned at 3e-3 (autopilot/alignment.py), where a raise would move the steps counted here.
+    monkeypatch.setattr("hf_hybrid.autopilot.alignment.ALIGNED", float("inf"))
     trainer = make_trainer(tmp_out, **OUTER, hybrid_warmup_steps=20, hybrid_guard_snapshot_steps=5, max_steps=40)
     rows = train_recording_snapshots(trainer)
     first_jump = min(r["step"] for r in guard_trace(tmp_out) if r["phase"] == "predict")

@@ -18,17 +18,17 @@ short line, is not raised.
 Costs one copy of the weights from the first update to LAST_STEP, then released: in pinned host memory on an
 accelerator, so that it adds nothing to the device's peak in the steps that also take the guard's first snapshots, and
 comes in over the host link once per step inside the window. A checkpoint saved inside the window carries it, so a
-resumed run reads the same mean. Three dot products per step inside the window; no forward. Under FSDP2 each rank
-reads its own shards and the sums are averaged across ranks (a common factor, which the cosine ignores).
+resumed run reads the same mean. Three dot products per step inside the window and no forward; each step's cosine is
+summed on the device, and the mean is read on the host once, at the first reading that asks for it, so a real step
+makes no host read more than before. Under DDP and FSDP2 each rank reads its own shards and the sums are added across
+ranks (a common factor under DDP, which the cosine ignores).
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
+import torch.distributed as dist
 
-from ..loop.seam import HybridTrainer
 from ..memory.shards import local_shard
 from ..memory.snapshot import WeightSnapshot
 
@@ -41,17 +41,20 @@ class StartAlignment:
 
     def __init__(self) -> None:
         self.start = WeightSnapshot(on_host=True)  # the weights before the first update
-        self.total, self.count = 0.0, 0
-        self.aligned: bool | None = None  # None until the window has closed
+        self.window: torch.Tensor | None = None  # on the weights' device: the cosines' sum and how many were read
+        self.closed = False
+        self._read: tuple[float, float] | None = None  # the window's sums on the host, once read
 
     @torch.no_grad()
-    def before_update(self, trainer: HybridTrainer, step: int, params: list[torch.Tensor]) -> None:
+    def before_update(self, step: int, params: list[torch.Tensor]) -> None:
         """Before the update of optimizer step `step` (1-based), with the gradients in place."""
-        if self.aligned is not None:
+        if self.closed:
             return
         weights = [local_shard(p) for p in params]
         if not self.start.valid:
             self.start.capture(weights)
+        if self.window is None:
+            self.window = torch.zeros(2, dtype=torch.float64, device=weights[0].device)
         if FIRST_STEP <= step <= LAST_STEP:
             sums = torch.zeros(3, dtype=torch.float64, device=weights[0].device)
             for p, w, w0 in zip(params, weights, self.start.settled()):
@@ -60,21 +63,40 @@ class StartAlignment:
                 grad = local_shard(p.grad).float()
                 away = w.float() - w0.to(w.device, non_blocking=True).float()
                 sums += torch.stack([(grad * away).sum(), (grad * grad).sum(), (away * away).sum()]).double()
-            dot, gradient_sq, away_sq = trainer.reduce_across_ranks(*sums)
-            if gradient_sq > 0 and away_sq > 0 and math.isfinite(dot):
-                self.total -= dot / math.sqrt(gradient_sq * away_sq)
-                self.count += 1
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                dist.all_reduce(sums)
+            dot, gradient_sq, away_sq = sums
+            read = (gradient_sq > 0) & (away_sq > 0) & dot.isfinite()
+            cosine = torch.where(read, -dot / (gradient_sq * away_sq).sqrt(), 0.0)
+            self.window += torch.stack([cosine, read.double()])
         if step >= LAST_STEP:
-            self.aligned = self.count > 0 and self.mean >= ALIGNED
+            self.closed = True
             self.start.release()
+
+    def _sums(self) -> tuple[float, float]:
+        if self._read is None and self.closed and self.window is not None:
+            self._read = tuple(self.window.tolist())
+        return self._read or (tuple(self.window.tolist()) if self.window is not None else (0.0, 0.0))
+
+    @property
+    def count(self) -> int:
+        """The steps of the window read so far."""
+        return int(self._sums()[1])
 
     @property
     def mean(self) -> float:
-        return self.total / self.count if self.count else 0.0
+        total, count = self._sums()
+        return total / count if count else 0.0
+
+    @property
+    def aligned(self) -> bool | None:
+        """None until the window has closed."""
+        return self.count > 0 and self.mean >= ALIGNED if self.closed else None
 
     def state_dict(self) -> dict:
-        return {"total": self.total, "count": self.count, "aligned": self.aligned, "start": self.start.state_dict()}
+        return {"window": list(self._sums()), "closed": self.closed, "start": self.start.state_dict()}
 
     def load_state_dict(self, state: dict, params: list[torch.Tensor]) -> None:
-        self.total, self.count, self.aligned = state["total"], state["count"], state["aligned"]
+        self.closed, self._read = state["closed"], None
+        self.window = torch.tensor(state["window"], dtype=torch.float64, device=local_shard(params[0]).device)
         self.start.load_state_dict(state["start"], [local_shard(p) for p in params])

@@ -80,7 +80,7 @@ class LrAutopilot:
 
     def before_update(self, step: int) -> None:
         """Before optimizer step `step`'s update (1-based), with the gradients in place: the first steps' alignment."""
-        self.alignment.before_update(self.trainer, step, self.trainer.hybrid_engine.params)
+        self.alignment.before_update(step, self.trainer.hybrid_engine.params)
 
     @property
     def _scheduler(self):
