@@ -74,9 +74,14 @@ class StartAlignment:
             self.start.release()
 
     def _sums(self) -> tuple[float, float]:
-        if self._read is None and self.closed and self.window is not None:
+        """The cosines' sum and count on the host: read once when the window has closed, at each call before."""
+        if self.window is None:
+            return 0.0, 0.0
+        if not self.closed:
+            return tuple(self.window.tolist())
+        if self._read is None:
             self._read = tuple(self.window.tolist())
-        return self._read or (tuple(self.window.tolist()) if self.window is not None else (0.0, 0.0))
+        return self._read
 
     @property
     def count(self) -> int:

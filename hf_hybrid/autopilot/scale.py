@@ -22,7 +22,7 @@ A raise is a trial. The scale is multiplied by what would put the line's bottom 
 the two readings; a steady reach: its median at STEADY_TARGET), at most MAX_RAISE at a time and MAX_SCALE in all, and
 the trainer takes an undo point. A raise at most doubles the scale because a reach overstates how far the best LR
 is, and past it the final loss rises steeply (from scratch: 4.807 at the swept LR, 5.139 at 1.33x it), unless the
-run's first steps were aligned (autopilot/alignment.py: MAX_ALIGNED_RAISE on the line read twice); the next raise
+run's first steps were aligned (autopilot/alignment.py: MAX_ALIGNED_RAISE, on one long reading); the next raise
 needs the line to read long again at the new scale (the reading that asked for a raise counts there at its reach
 divided by the raise). The next reading judges the trial: the raise is undone when the raised steps did worse, on the
 probe, than the point the old scale would have reached over the same batches (autopilot/verdict.py), and then everything
