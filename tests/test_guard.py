@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from hf_hybrid import HybridHFTrainer
-from hf_hybrid.checkpoint import find_hybrid_state, load_hybrid_state
+from hf_hybrid.checkpoint import FORMAT_VERSION, find_hybrid_state, load_hybrid_state
 from hf_hybrid.config import hybrid_config
 from hf_hybrid.guard.config import GuardConfig
 from hf_hybrid.guard.rules import Action, StepGuard
@@ -281,11 +281,13 @@ def test_a_checkpoint_holding_a_pickled_object_is_refused(tmp_path):
         load_hybrid_state(str(path))
 
 
-def test_a_checkpoint_of_another_layout_is_refused_by_name(tmp_path):
-    """A part's state loads with no default guessed for a key it lacks: a hybrid state of another layout is refused,
-    with the way out, before any part reads it."""
+@pytest.mark.parametrize("saved, layout", [({"controller": {}}, "unversioned"),
+                                           ({"format_version": 2, "autopilot": {"scale": {}}}, "2")])
+def test_a_checkpoint_of_another_layout_is_refused_by_name(tmp_path, saved, layout):
+    """A part's state loads with no default guessed for a key it lacks: a hybrid state of another layout (none, or
+    layout 2, whose autopilot kept no first steps' alignment) is refused, with the way out, before any part reads it."""
     (tmp_path / "checkpoint-5").mkdir()
-    torch.save({"controller": {}}, tmp_path / "checkpoint-5" / "hybrid_state_rank0.pt")  # no format_version
-    with pytest.raises(ValueError, match=r"layout unversioned, and this hf_hybrid reads layout 2\. .*delete the "
-                                         r"checkpoint's hybrid_\*\.pt files"):
+    torch.save(saved, tmp_path / "checkpoint-5" / "hybrid_state_rank0.pt")
+    with pytest.raises(ValueError, match=rf"layout {layout}, and this hf_hybrid reads layout {FORMAT_VERSION}\. "
+                                         r".*delete the checkpoint's hybrid_\*\.pt files"):
         find_hybrid_state(str(tmp_path / "checkpoint-5"), 0)
