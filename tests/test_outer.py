@@ -322,7 +322,7 @@ class ForwardCounter(TrainerCallback):
 def test_a_one_step_jump_is_charged_the_forwards_it_runs(tmp_out, accumulation):
     model = tiny_gpt2()
     counter = ForwardCounter(model)
-    # The learning-rate autopilot's readings are not the jump's (test_lr_autopilot.py counts them).
+    # The learning-rate autopilot's readings are not the jump's (test_lr_readings.py counts them).
     trainer = make_trainer(tmp_out, model=model, **{**OUTER, "max_steps": 30, "hybrid_payoff_check": True,
                                                     "hybrid_max_rejections": 0, "hybrid_warmup_steps": 5,
                                                     "hybrid_lr_autopilot": False,

@@ -14,7 +14,7 @@ from hf_hybrid.autopilot.scale import MAX_ALIGNED_RAISE, MAX_RAISE, LrScale
 from .conftest import hybrid_args, make_trainer, tiny_gpt2, token_dataset
 from .test_equivalence_resume import assert_bit_identical, state
 from .test_lr_advice import OUTER
-from .test_lr_autopilot import read
+from .test_lr_scale import read
 
 
 class MechanicSignal(TrainerCallback):
@@ -75,7 +75,7 @@ def test_an_aligned_run_raises_on_one_long_reading_by_up_to_4x_and_a_steady_reac
 
 
 def line(loss: float, bottom: float) -> tuple[float, float, float]:
-    """The probe's losses along a line that bottoms out `bottom` steps out (test_lr_autopilot.read's)."""
+    """The probe's losses along a line that bottoms out `bottom` steps out (test_lr_scale.read's)."""
     u = bottom / 4.0
     return tuple(loss + 0.01 * ((x - u) ** 2 - u**2) for x in (0.0, 1.0, 2.0))
 

@@ -1,0 +1,89 @@
+"""The line the autopilot reads along Adam's next step (autopilot/line.py): its move, and the weights put back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hf_hybrid.autopilot.line import SPACING, _move_along_next_step, _step_groups, next_step_line
+from hf_hybrid.loop.forward_checks import probe_loss
+from hf_hybrid.memory.snapshot import WeightSnapshot
+
+from .conftest import make_trainer
+from .test_equivalence_resume import assert_bit_identical, state
+from .test_lr_advice import OUTER
+
+
+def test_the_line_runs_along_adams_next_step_and_puts_the_weights_back(tmp_out):
+    trainer = make_trainer(tmp_out, learning_rate=1e-3, lr_scheduler_type="constant", **{**OUTER, "max_steps": 12})
+    trainer.train()
+    model, engine, optimizer = trainer.model, trainer._hybrid, trainer.optimizer.optimizer
+    probe = trainer._lr_autopilot.probe
+    before = state(model)
+    scratch = WeightSnapshot()
+    f0, f1, f2 = (float(loss) for loss in next_step_line(trainer, model, engine.shards(), scratch, probe))
+    assert_bit_identical(state(model), before)
+    assert not scratch.valid and not engine.jump_open
+    assert f0 == float(probe_loss(trainer, model, probe))
+    with torch.no_grad():  # 2 x SPACING of Adam's next step, weight decay aside, by its own formula
+        for group in optimizer.param_groups:
+            (beta1, beta2), lr = group["betas"], group["lr"]
+            for p in group["params"]:
+                s = optimizer.state[p]
+                step = float(s["step"])
+                m_hat, v_hat = s["exp_avg"] / (1 - beta1**step), s["exp_avg_sq"] / (1 - beta2**step)
+                p -= 2 * SPACING * lr * m_hat / (v_hat.sqrt() + group["eps"])
+    assert f2 == pytest.approx(float(probe_loss(trainer, model, probe)), abs=1e-5)
+    assert f1 != f0 and f2 != f1
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _trained_adamw(layers: int, fused: bool) -> torch.optim.AdamW:
+    """AdamW after three steps over `layers` linear layers in two parameter groups, one weight a step behind."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(layers)))
+    weights, biases = [m.weight for m in model], [m.bias for m in model]
+    optimizer = torch.optim.AdamW([{"params": weights, "weight_decay": 0.1}, {"params": biases, "weight_decay": 0.0}],
+                                  lr=1e-3, fused=fused)
+    for _ in range(3):
+        model(torch.randn(4, 16)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    optimizer.state[weights[0]]["step"] -= 1
+    return optimizer
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("lists", [False, True])
+def test_the_move_along_adams_next_step_is_the_per_parameter_formula_in_lists_whose_launches_do_not_grow(fused, lists):
+    moved = {}
+    for layers in (2, 20):
+        optimizer = _trained_adamw(layers, fused)
+        expected = []
+        with torch.no_grad():  # Adam's next step, one parameter at a time, by its own formula
+            for group in optimizer.param_groups:
+                (beta1, beta2), lr = group["betas"], group["lr"]
+                for p in group["params"]:
+                    s = optimizer.state[p]
+                    m_hat = s["exp_avg"] / (1 - beta1 ** s["step"])
+                    denom = (s["exp_avg_sq"] / (1 - beta2 ** s["step"])).sqrt_().add_(group["eps"])
+                    expected.append(p + m_hat.div_(denom).mul_(lr).mul_(-SPACING))
+        step_groups = _step_groups(optimizer, lists)
+        with _CountOps() as ops:
+            _move_along_next_step(step_groups, SPACING)
+        moved[layers] = ops.count
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        assert all(torch.equal(p, e) for p, e in zip(params, expected))
+        # In lists (an accelerator's): the weights at two step counts, the biases at one; else one per parameter.
+        assert len(step_groups) == (3 if lists else 2 * layers)
+    assert (moved[20] == moved[2]) if lists else (moved[20] == 10 * moved[2])

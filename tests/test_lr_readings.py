@@ -1,0 +1,172 @@
+"""When the autopilot reads its line (autopilot/runner.py): readings come less often when they ask for nothing, a
+short line holds the jumps back, and no raise starts where its verdict could not come or just after a skip."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import pytest
+from transformers import TrainerCallback
+
+from hf_hybrid import HybridHFTrainer
+from hf_hybrid.autopilot.line import SPACING
+from hf_hybrid.autopilot.scale import LrScale
+
+from .conftest import make_trainer, tiny_gpt2
+from .test_equivalence_resume import assert_bit_identical, state
+from .test_lr_advice import OUTER
+from .test_lr_scale import read
+
+
+def train_noting_readings(trainer: HybridHFTrainer) -> list[int]:
+    """Train, and return the global steps at which the autopilot read its line."""
+    read_at = []
+
+    class Readings(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if trainer._lr_autopilot.last_line is not None:
+                read_at.append(state.global_step)
+
+    trainer.add_callback(Readings())
+    trainer.train()
+    return read_at
+
+
+def test_readings_that_ask_for_nothing_come_less_often(tmp_out, monkeypatch):
+    """Every reading sees a short line: after the first two (no progress to compare yet, then nothing asked), the gap
+    between readings doubles without a bound, so a tuned LR pays for about log2(steps) of them. The run is long enough
+    that the fifth gap ends before a constant schedule's last fifth, where no raise starts and nothing is read."""
+    monkeypatch.setattr(LrScale, "reading", lambda self, f0, f1, f2, **kwargs: setattr(self, "last_loss", f0))
+    trainer = make_trainer(tmp_out, learning_rate=1e-4, lr_scheduler_type="constant", **{**OUTER, "max_steps": 420})
+    read_at = train_noting_readings(trainer)
+    gaps = [b - a for a, b in zip(read_at, read_at[1:])]
+    # A due reading waits for a real step with no jump open, so a gap can run a step over.
+    assert gaps[:4] == [10, 20, 40, 80] and 160 <= gaps[4] <= 162 and len(gaps) == 5, read_at
+
+
+def test_readings_keep_coming_soon_only_while_a_steady_reach_could_complete():
+    """A median of three at a step or more needs two readings there: the next reading is worth having soon only while
+    one of the last two reached a step. Lines under a step, as tuned runs read, are no more evidence than none."""
+    s = LrScale()
+    building = []
+    for i, bottom in enumerate((0.8, 0.5, 1.2, 0.3, 0.0, 0.9, 0.0)):
+        read(s, 5.0 - i / 10, bottom=bottom)
+        building.append(s.evidence_building)
+    assert s.scale == 1.0 and building == [False, False, True, True, False, False, False]
+
+
+def test_a_short_line_holds_the_jumps_back_and_a_longer_one_lets_them_through():
+    s = LrScale()
+    assert not s.steps_long_enough  # no reading yet: no evidence either way
+    read(s, 5.0, bottom=1.5)
+    assert s.steps_long_enough  # the steps reach the line's bottom already
+    read(s, 4.9, bottom=3.0)  # under the raise gate, over the aim
+    assert not s.steps_long_enough and s.scale == 1.0
+    resumed = LrScale()
+    resumed.load_state_dict(s.state_dict())
+    assert not resumed.steps_long_enough and resumed == s
+
+
+HELD = dict(OUTER, max_steps=80, hybrid_warmup_steps=12, lr_scheduler_type="constant")
+
+
+def run_with_readings_of(tmp_path, monkeypatch, reach: float, name: str) -> tuple[HybridHFTrainer, list[int]]:
+    """Every autopilot reading's line bottoms out `reach` of today's steps out. The first turn to jump comes after the
+    first reading (step 11). Returns the trainer and the steps it read at."""
+    monkeypatch.setattr("hf_hybrid.autopilot.scale.reach_of_line", lambda f0, f1, f2: reach / SPACING)
+    trainer = make_trainer(tmp_path / name, learning_rate=1e-3, model=tiny_gpt2(dropout=0.1), **HELD)
+    return trainer, train_noting_readings(trainer)
+
+
+def test_where_the_steps_are_long_enough_no_jump_is_tried_and_the_run_is_the_trainers(tmp_path, monkeypatch, caplog):
+    """A line under a step at every reading, as tuned runs read: no raise, no jump, the Trainer bit for bit; and
+    since no steady reach can build from such lines, the readings come less often, as readings of 0 do. The end line
+    says what the readings cost."""
+    with caplog.at_level(logging.WARNING):
+        held, read_at = run_with_readings_of(tmp_path, monkeypatch, reach=0.8, name="held")
+    stats = held.hybrid_stats()
+    assert stats["predictions_judged"] == 0 and stats["predict_steps"] == 0 and stats["turns_passed"] >= 10
+    assert held._lr_autopilot.scale.scale == 1.0
+    assert read_at == [11, 21, 41], read_at
+    assert stats["lr_readings"] == len(read_at)
+    assert f"was kept; the autopilot's {len(read_at)} readings (three forwards each) took" in caplog.text
+    assert 0 < held._lr_autopilot.reading_seconds < time.perf_counter() - held._lr_autopilot.train_started
+    plain = make_trainer(tmp_path / "plain", learning_rate=1e-3, model=tiny_gpt2(dropout=0.1), hybrid=False, **HELD)
+    plain.train()
+    assert_bit_identical(state(plain.model), state(held.model))
+    monkeypatch.setattr("hf_hybrid.autopilot.scale.STEADY_REACH", math.inf)  # a longer line, but no raise
+    tried, _ = run_with_readings_of(tmp_path, monkeypatch, reach=3.0, name="tried")
+    assert tried.hybrid_stats()["predictions_judged"] > 0 and tried.hybrid_stats()["turns_passed"] == 0
+
+
+@pytest.mark.parametrize("nan_at", [None, 15])
+def test_no_raise_starts_before_the_third_reading_after_a_guard_skip(tmp_path, monkeypatch, nan_at):
+    """Every line reads 10 steps: the second reading raises. A NaN loss between the first two readings, which the
+    guard skips, holds the raise until the third reading after it."""
+    from .test_safety import nan_model
+
+    monkeypatch.setattr("hf_hybrid.autopilot.scale.reach_of_line", lambda f0, f1, f2: 10.0 / SPACING)
+    monkeypatch.setattr("hf_hybrid.autopilot.alignment.ALIGNED", math.inf)  # a raise needs the line twice
+    model = nan_model(at_grad=() if nan_at is None else (nan_at,))
+    trainer = make_trainer(tmp_path, model=model, learning_rate=1e-4, lr_scheduler_type="constant",
+                           **{**OUTER, "max_steps": 70})
+    scales, skipped = [], []
+
+    class Scale(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            scales.append(trainer._lr_autopilot.scale.scale)
+            skipped.append(trainer.hybrid_stats()["skipped_steps"])
+
+    trainer.add_callback(Scale())
+    read_at = train_noting_readings(trainer)
+    raised_at = next(step for step, scale in enumerate(scales, start=1) if scale > 1.0)
+    if nan_at is None:
+        assert raised_at == read_at[1] and skipped[-1] == 0, (read_at, scales)
+    else:
+        skip_step = skipped.index(1) + 1
+        assert read_at[0] < skip_step < read_at[1] and skipped[-1] == 1, (read_at, skip_step)
+        assert raised_at == read_at[3], (read_at, scales)
+
+
+def test_no_raise_starts_where_the_run_would_end_before_its_verdict(tmp_out, monkeypatch):
+    """Every line reads 10 steps, on a constant schedule: the reading 8 steps before the end judges the open raise and
+    keeps it, but starts no other, whose verdict would come after the end. Had one been open at the end, the end line
+    would advise only the LR that was judged."""
+    monkeypatch.setattr("hf_hybrid.autopilot.scale.reach_of_line", lambda f0, f1, f2: 10.0 / SPACING)
+    monkeypatch.setattr("hf_hybrid.autopilot.alignment.ALIGNED", math.inf)  # raises of 2x, whatever the first steps
+    trainer = make_trainer(tmp_out, learning_rate=1e-4, lr_scheduler_type="constant", **{**OUTER, "max_steps": 40})
+    read_at = train_noting_readings(trainer)
+    scale = trainer._lr_autopilot.scale
+    assert read_at == [12, 22, 32] and trainer.state.global_step == 40, read_at
+    assert scale.scale == 2.0 and scale.raises_kept == 1 and not scale.on_trial
+    scale.trial_from, scale.scale = 4.0, 10.0
+    assert trainer._lr_autopilot.summary() == (
+        "hf_hybrid: training ended before a 2.5x raise of the learning rate (0.0004 -> 0.001) could be judged (1 "
+        "raises kept, 0 undone); pass --learning_rate 0.0004 next time.")
+    scale.trial_from, scale.scale = 1.0, 4.0
+    assert trainer._lr_autopilot.summary().endswith("--learning_rate 0.0001 stands.")
+
+
+@pytest.mark.parametrize("aligned", [False, True])
+def test_no_raise_starts_in_the_first_descent_just_after_the_warmup(tmp_out, monkeypatch, aligned):
+    """A run from scratch still falls steeply for a few steps after a short warmup, where its line reads long at any
+    LR (cpu-small at its own LR: 8 steps at step 20, a raise there ended 0.28 above the Trainer). Every line reads
+    10 steps here: the reading as a 20-step warmup ends only gives the next one its rate, and is no evidence; the
+    first raise needs two long readings past the first descent, or one where the first steps were aligned."""
+    monkeypatch.setattr("hf_hybrid.autopilot.scale.reach_of_line", lambda f0, f1, f2: 10.0 / SPACING)
+    monkeypatch.setattr("hf_hybrid.autopilot.alignment.ALIGNED", -math.inf if aligned else math.inf)
+    trainer = make_trainer(tmp_out, learning_rate=1e-4, warmup_steps=20, lr_scheduler_type="constant_with_warmup",
+                           **{**OUTER, "max_steps": 70})
+    scales = []
+
+    class Scale(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            scales.append(trainer._lr_autopilot.scale.scale)
+
+    trainer.add_callback(Scale())
+    read_at = train_noting_readings(trainer)
+    assert read_at[:3] == [20, 30, 40], read_at
+    raised_at = 30 if aligned else 40
+    assert scales[raised_at - 2] == 1.0 and scales[raised_at - 1] > 1.0, scales  # raised there, not before
