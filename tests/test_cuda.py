@@ -22,7 +22,8 @@ from .conftest import hybrid_args, make_trainer, reject_every_jump, tiny_gpt2, t
 from .test_equivalence_resume import assert_bit_identical, check_resume_mid_predict, state
 from .test_host_memory import first_kept_jump_after_a_long_first_cycle, keep_every_jump
 from .test_memory_growth import CycleMemory
-from .test_outer import jumps_from_the_weights_and_from_the_anchor, resume_where_the_first_kept_jump_took_the_anchor
+from .test_outer import jumps_from_the_weights_and_from_the_anchor
+from .test_outer_resume import resume_where_the_first_kept_jump_took_the_anchor
 from .test_predict import StepRecorder, kept_predicted_steps, train_recorded
 from .test_safety import WeightsPerStep, nan_model, sabotage_fifth_predicted_step
 
