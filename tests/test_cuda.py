@@ -25,7 +25,8 @@ from .test_memory_growth import CycleMemory
 from .test_outer import jumps_from_the_weights_and_from_the_anchor
 from .test_outer_resume import resume_where_the_first_kept_jump_took_the_anchor
 from .test_predict import StepRecorder, kept_predicted_steps, train_recorded
-from .test_safety import WeightsPerStep, nan_model, sabotage_fifth_predicted_step
+from .test_rejected_jumps import WeightsPerStep
+from .test_safety import nan_model, sabotage_fifth_predicted_step
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
