@@ -36,7 +36,7 @@ from hf_hybrid import BEHAVIOUR_VERSION  # noqa: E402
 README = REPO / "README.md"
 SURVEY = REPO / "docs" / "survey"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
-MAX_ROWS = 8
+MAX_ROWS = 12  # the survey has 12 settings: every one with runs is shown, the weak ones too
 NOT_MEASURED = "not measured at the current version"
 PEERS = {"prodigy": "Prodigy", "mechanic": "Mechanic", "sf": "schedule-free AdamW"}
 HEADER = ("| setting (half): the user's LR (the swept) | Trainer at the user's LR; at the swept LR | hybrid "
