@@ -1,14 +1,16 @@
-"""`--hybrid false` is the plain Trainer bit for bit; a run resumed mid-Predict equals an uninterrupted one."""
+"""`--hybrid false` is the plain Trainer bit for bit; a run resumed mid-Predict equals an uninterrupted one; what the
+hybrid state holds changes only with its layout's version."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import torch
 from transformers import Trainer, TrainingArguments
 
 from hf_hybrid import HybridHFTrainer
-from hf_hybrid.checkpoint import find_hybrid_state
+from hf_hybrid.checkpoint import FORMAT_VERSION, find_hybrid_state
 
 from .conftest import hybrid_args, make_trainer, reject_every_jump, tiny_gpt2, token_dataset
 
@@ -147,3 +149,29 @@ def check_resume_mid_predict(tmp_path, **extra) -> tuple[HybridHFTrainer, Hybrid
     assert_bit_identical(state(full_run.model), state(resumed_model))
     assert resumed.hybrid_stats() == full_run.hybrid_stats()
     return full_run, resumed
+
+
+# The keys of the hybrid state each layout saves (a run with the defaults: the guard, the autopilot, the outer jumps),
+# as a digest of `key_paths`. A change to what any part saves changes it; then raise checkpoint.FORMAT_VERSION, so an
+# older checkpoint is refused by name instead of failing on a missing key, and record the new digest here.
+LAYOUT_DIGESTS = {3: "4a397d8a72dc07a7"}
+
+
+def key_paths(value, prefix: str = "") -> set[str]:
+    """Every key path in nested dicts, lists of dicts marked `[]`; tensors and plain values end a path."""
+    if isinstance(value, dict):
+        return set().union(*({f"{prefix}.{key}"} | key_paths(item, f"{prefix}.{key}") for key, item in value.items()))
+    if isinstance(value, (list, tuple)):
+        return set().union(*(key_paths(item, f"{prefix}[]") for item in value))
+    return set()
+
+
+def test_what_the_hybrid_state_holds_changes_only_with_its_format_version(tmp_path):
+    trainer = make_trainer(tmp_path, max_steps=12, save_strategy="steps", save_steps=12)
+    trainer.train()
+    paths = sorted(key_paths(find_hybrid_state(str(tmp_path / "checkpoint-12"), 0)))
+    assert {".engine", ".guard", ".lr_autopilot.alignment", ".format_version"} <= set(paths)
+    digest = hashlib.sha256("\n".join(paths).encode()).hexdigest()[:16]
+    assert LAYOUT_DIGESTS.get(FORMAT_VERSION) == digest, (
+        f"the hybrid state's keys are not layout {FORMAT_VERSION}'s (digest {digest}): raise FORMAT_VERSION in "
+        "hf_hybrid/checkpoint.py and record the digest in LAYOUT_DIGESTS")
