@@ -55,9 +55,10 @@ def main() -> None:
             carry(path, args.evidence, why.format(f"{report['learning_rate']:g}"))
             print(f"{path.name}: carried")
         path = reports / f"{name}-hybrid-seed0.json"
-        if not path.exists() or _version(json.loads(path.read_text())["environment"]) != FROM:
+        check = json.loads(path.read_text()) if path.exists() else None
+        if check is None or _version(check["environment"]) != FROM:
             continue
-        runs = json.loads(path.read_text())["runs"]
+        runs = check["runs"]
         stale = [r["learning_rate"] for r in runs if r["learning_rate"] in lrs and _version(r.get("environment")) != TO]
         if stale:
             print(f"{path.name}: aligned at {', '.join(f'{lr:g}' for lr in stale)}, to be checked again")
