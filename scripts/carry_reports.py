@@ -1,10 +1,12 @@
-"""Carry the survey's reports from behaviour version 3 to 4 where version 4 cannot have moved them.
+"""Carry the survey's reports from behaviour version 4 to 5 where version 5 cannot have moved them.
 
-Version 4 changes only runs whose first steps read aligned (hf_hybrid/autopilot/alignment.py): a run that reads below
-the gate takes every decision as at version 3, bit for bit. scripts/start_alignment.py records, per setting and LR of
-the check grid, what the library reads there. A report is carried when every hybrid run in it is at an LR that reads
-below the gate, or was measured again at version 4 (`survey.py check NAME --learning_rates ...` merges those runs in,
-each with its own environment); otherwise it is left as it is and said so.
+Version 5 changes only runs whose first steps read aligned (hf_hybrid/autopilot/alignment.py) under a schedule with a
+warmup: such a run may now raise inside the warmup, from the alignment's last step. Any other run takes every decision
+as at version 4, bit for bit (with no warmup an aligned run could already raise from that step).
+scripts/start_alignment.py records, per setting and LR of the check grid, what the library reads there. A report is
+carried when every hybrid run in it is at an LR that version 5 leaves alone, or was measured again at version 5
+(`survey.py check NAME --learning_rates ...` merges those runs in, each with its own environment); otherwise it is
+left as it is and said so.
 
     python scripts/carry_reports.py --evidence docs/reports/issue49-start-alignment.json
 """
@@ -16,7 +18,13 @@ import json
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-FROM, TO = 3, 4
+FROM, TO = 4, 5
+
+
+def warmup_steps(setting: str) -> int:
+    from survey import settings
+
+    return settings()[setting]["warmup_steps"]
 
 
 def _version(environment: dict | None) -> int | None:
@@ -41,16 +49,17 @@ def main() -> None:
     reports = Path(args.reports)
     aligned: dict[str, set[float]] = {}
     for row in json.loads(Path(args.evidence).read_text())["rows"]:
-        aligned.setdefault(row["setting"], set()).update([row["learning_rate"]] if row["aligned"] else [])
-    why = ("version 4 changes only runs whose first steps read aligned; this report's hybrid runs read below the gate "
-           "at their LR ({}), or were measured again at version 4")
+        moved = row["aligned"] and warmup_steps(row["setting"]) > 0
+        aligned.setdefault(row["setting"], set()).update([row["learning_rate"]] if moved else [])
+    why = ("version 5 changes only runs whose first steps read aligned under a warmup; this report's hybrid runs read "
+           "below the gate or have no warmup at their LR ({}), or were measured again at version 5")
     for name, lrs in aligned.items():
         for path in sorted(reports.glob(f"{name}-user-seed*.json")):
             report = json.loads(path.read_text())
             if _version(report["environment"]) != FROM:
                 continue
             if report["learning_rate"] in lrs:
-                print(f"{path.name}: aligned at {report['learning_rate']:g}, to be run again")
+                print(f"{path.name}: aligned under a warmup at {report['learning_rate']:g}, to be run again")
                 continue
             carry(path, args.evidence, why.format(f"{report['learning_rate']:g}"))
             print(f"{path.name}: carried")

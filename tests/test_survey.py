@@ -58,30 +58,33 @@ def test_a_setting_is_swept_then_run_at_a_tenth_of_its_swept_lr(tmp_path):
     assert [row["setting"] for row in rows] == [name] and name in out
 
 
-def test_only_reports_whose_runs_read_below_the_gate_or_were_measured_again_are_carried(tmp_path):
-    from carry_reports import main as carry_main
+def test_only_reports_whose_runs_version_5_leaves_alone_or_were_measured_again_are_carried(tmp_path, monkeypatch):
+    import carry_reports
 
     def write(name: str, report: dict) -> Path:
         (tmp_path / name).write_text(json.dumps(report))
         return tmp_path / name
 
-    old = {"behaviour_version": 3, "behaviour_carried": {"from": 2}}
+    # Version 5 moves runs that read aligned under a warmup: setting "w0" has none.
+    monkeypatch.setattr(carry_reports, "warmup_steps", lambda setting: 0 if setting == "w0" else 10)
+    old = {"behaviour_version": 4, "behaviour_carried": {"from": 3}}
     unaligned = write("s-user-seed0.json", {"learning_rate": 1e-3, "environment": dict(old)})
     aligned = write("s-user-seed1.json", {"learning_rate": 1e-4, "environment": dict(old)})
+    no_warmup = write("w0-user-seed0.json", {"learning_rate": 1e-4, "environment": dict(old)})
     checked_again = write("s-hybrid-seed0.json", {"environment": dict(old), "runs": [
-        {"learning_rate": 1e-4, "environment": {"behaviour_version": 4}}, {"learning_rate": 1e-3}]})
+        {"learning_rate": 1e-4, "environment": {"behaviour_version": 5}}, {"learning_rate": 1e-3}]})
     stale = write("t-hybrid-seed0.json", {"environment": dict(old), "runs": [{"learning_rate": 1e-4}]})
     evidence = write("evidence.json", {"rows": [{"setting": s, "learning_rate": lr, "aligned": lr == 1e-4}
-                                                for s in ("s", "t") for lr in (1e-4, 1e-3)]})
+                                                for s in ("s", "t", "w0") for lr in (1e-4, 1e-3)]})
     argv = sys.argv
     try:
         sys.argv = ["carry_reports.py", "--evidence", str(evidence), "--reports", str(tmp_path)]
-        carry_main()
+        carry_reports.main()
     finally:
         sys.argv = argv
     version = {p.name: json.loads(p.read_text())["environment"]["behaviour_version"]
-               for p in (unaligned, aligned, checked_again, stale)}
-    assert version == {"s-user-seed0.json": 4, "s-user-seed1.json": 3, "s-hybrid-seed0.json": 4,
-                       "t-hybrid-seed0.json": 3}
+               for p in (unaligned, aligned, no_warmup, checked_again, stale)}
+    assert version == {"s-user-seed0.json": 5, "s-user-seed1.json": 4, "w0-user-seed0.json": 5,
+                       "s-hybrid-seed0.json": 5, "t-hybrid-seed0.json": 4}
     carried = json.loads(unaligned.read_text())["environment"]["behaviour_carried"]
-    assert carried["from"] == 3 and carried["earlier"] == {"from": 2} and carried["evidence"] == str(evidence)
+    assert carried["from"] == 4 and carried["earlier"] == {"from": 3} and carried["evidence"] == str(evidence)

@@ -25,6 +25,7 @@ from transformers.utils import logging
 from ..guard.runner import GuardAtLoop
 from ..loop.seam import HybridTrainer
 from ..memory.snapshot import WeightSnapshot
+from .alignment import LAST_STEP as ALIGNMENT_LAST_STEP
 from .alignment import StartAlignment
 from .cooldown import cooldown_start, cooled_scale
 from .line import SPACING, adam_family, next_step_line
@@ -46,7 +47,8 @@ READ_EVERY = 10
 # No raise starts in the first steps after the schedule's warmup either: a run from scratch is still in its first
 # descent there, which reads long at any LR. On cpu-small (20 warmup steps) at its own LR the line read 8.2-8.6 steps
 # at step 20 and 4.3-5.3 at 25, then 0-1.9 from step 30 (seeds 0-2); a raise at step 21 ended 0.28 above the
-# Trainer (docs/benchmarks-history.md).
+# Trainer (docs/benchmarks-history.md). A run whose first steps read aligned (autopilot/alignment.py) may raise from the
+# alignment's last step instead, inside the warmup: the alignment, not the line, told its LR apart there.
 FIRST_DESCENT_STEPS = 10
 
 
@@ -116,28 +118,37 @@ class LrAutopilot:
         start = self._cooldown_start()
         return self.trainer.state.max_steps if start is None else start
 
+    def _warmup_steps(self) -> int:
+        return self.trainer.args.get_warmup_steps(self.trainer.state.max_steps)
+
     def _raise_from(self) -> int:
-        """The first step at which a raise may start: past the schedule's warmup and the first descent's last steps."""
-        return self.trainer.args.get_warmup_steps(self.trainer.state.max_steps) + FIRST_DESCENT_STEPS
+        """The first step at which a raise may start: past the schedule's warmup and the first descent's last steps, or
+        in an aligned run the alignment's last step."""
+        if self.alignment.aligned:
+            return ALIGNMENT_LAST_STEP
+        return self._warmup_steps() + FIRST_DESCENT_STEPS
 
     def _frozen(self) -> bool:
         """No raise starts before `_raise_from`, where a run's first descent reads as a line tens of steps long at any
         LR (measured on cpu-long at a fifth of the swept LR: 78 and 189 steps at steps 21 and 31, which raised it to
         twice the swept LR and ended 0.06 above the Trainer), nor in the schedule's final decay (below half its
-        peak), nor where the run or the judged scale would end before its verdict, READ_EVERY steps on (`cpu-small`
-        with faults raised its own LR 2.5x 3 steps before the end)."""
-        return (self._scheduler.last_epoch < self._raise_from() or self._schedule_factor() < 0.5
+        peak past the warmup), nor where the run or the judged scale would end before its verdict, READ_EVERY steps
+        on (`cpu-small` with faults raised its own LR 2.5x 3 steps before the end)."""
+        epoch = self._scheduler.last_epoch
+        return (epoch < self._raise_from() or (epoch >= self._warmup_steps() and self._schedule_factor() < 0.5)
                 or self._raises_end() - self.trainer.state.global_step < READ_EVERY)
 
     def _wants_reading(self, step: int, real_step: bool) -> bool:
         engine = self.trainer.hybrid_engine
         due = step - self.last_reading >= self.read_every and self.probe is not None
         idle = real_step and not engine.jump_open  # a jump's weights may yet be undone
+        # Asked only then: where a raise may start depends on the first steps' alignment, read on the host once.
+        if not (due and idle and self.scale.wants_readings):
+            return False
         # One reading before raises may start, so that the first one after it has a rate and can raise.
         start = self._raise_from()
         freeze_ending = start - READ_EVERY <= self._scheduler.last_epoch < start
-        useful = self.scale.on_trial or not self._frozen() or freeze_ending
-        return due and idle and self.scale.wants_readings and useful
+        return self.scale.on_trial or not self._frozen() or freeze_ending
 
     def end_step(self, step: int, real_step: bool, guard_action: str | None) -> None:
         """At an optimizer step's end: act on a guard flag, and every few real steps read the next step's line."""

@@ -39,8 +39,9 @@ runs, where a jump, which extends the path the steps took, has not been worth ke
 every jump came after such a reading, and the kept ones ended runs above the Trainer as often as below it; runs
 128-137 in docs/benchmarks-history.md). Until the next reading, the trainer's predictor passes its turn instead of
 jumping. No raise starts in the schedule's warmup or the 10 steps after it (a run's first descent reads long at any LR),
-or once it has decayed below half its peak (the final decay is the user's), or where the run would end before its
-verdict.
+unless the run's first steps read aligned, which tells its LR apart where the line cannot: then from the alignment's
+last step on, inside the warmup. Nor once the schedule has decayed below half its peak (the final decay is the user's),
+or where the run would end before its verdict.
 """
 
 from __future__ import annotations
