@@ -156,8 +156,9 @@ def test_no_raise_starts_in_the_first_descent_just_after_the_warmup_unless_the_f
     LR (cpu-small at its own LR: 8 steps at step 20, a raise there ended 0.28 above the Trainer). Every line reads
     10 steps here: the reading as a 20-step warmup ends only gives the next one its rate, and is no evidence; the
     first raise needs two long readings past the first descent. A run whose first steps read aligned raises at its
-    first reading once the window has closed, inside the warmup (at step 12: the outer jump that steps 10-11 carry
-    holds it back), by what the line asks at the peak (6 steps there, at 0.6 of the peak's LR: 3x)."""
+    first reading once the window has closed, inside the warmup (step 12: the outer jump's predict step is 11, and no
+    reading comes while a jump may yet be undone), by what the line asks at the peak (6 steps there, at 0.6 of the
+    peak's LR: 3x)."""
     monkeypatch.setattr("hf_hybrid.autopilot.scale.reach_of_line", lambda f0, f1, f2: 10.0 / SPACING)
     monkeypatch.setattr("hf_hybrid.autopilot.alignment.ALIGNED", -math.inf if aligned else math.inf)
     trainer = make_trainer(tmp_out, learning_rate=1e-4, warmup_steps=20, lr_scheduler_type="constant_with_warmup",
