@@ -28,6 +28,7 @@ from ..memory.snapshot import WeightSnapshot
 from .alignment import LAST_STEP as ALIGNMENT_LAST_STEP
 from .alignment import StartAlignment
 from .cooldown import cooldown_start, cooled_scale
+from .end_line import RunEnd, end_line
 from .line import SPACING, adam_family, next_step_line
 from .scale import LrScale
 from .setup import inner_scheduler, lr_autopilot_missing, scalable_schedule
@@ -225,33 +226,12 @@ class LrAutopilot:
         return self.user_base_lrs[0] * self.scale.scale
 
     def summary(self) -> str | None:
-        """The end line: what the autopilot did to the learning rate, and what to pass next time."""
-        s, user = self.scale, self.user_base_lrs[0]
-        tried = f"{s.raises_kept} raises kept, {s.trials_undone} undone"
-        if s.on_trial:  # the run ended before the verdict (a jump held the reading back): advise only what was judged
-            judged = user * s.trial_from
-            advice = (f"pass --learning_rate {judged:.2g} next time" if s.trial_from != 1.0 else
-                      f"--learning_rate {user:.2g} stands")
-            return (f"hf_hybrid: training ended before a {s.trial_raise:.1f}x raise of the learning rate "
-                    f"({judged:.2g} -> {self.learning_rate:.2g}) could be judged ({tried}); {advice}.")
-        if self._cooling():
-            return (f"hf_hybrid: raised the learning rate {s.scale:.1f}x: {user:.2g} -> {self.learning_rate:.2g} "
-                    f"({tried}), and brought it back to {user:.2g} over the last "
-                    f"{self.trainer.state.max_steps - self._cooldown_start()} steps, since this schedule has no decay "
-                    f"of its own; a constant {self.learning_rate:.2g} is not advised: a higher constant learning rate "
-                    f"can end a run higher.")
-        if s.scale != 1.0:
-            return (f"hf_hybrid: raised the learning rate {s.scale:.1f}x: {user:.2g} -> {self.learning_rate:.2g} "
-                    f"({tried}); pass --learning_rate {self.learning_rate:.2g} next time.")
-        if s.trials_undone:
-            return f"hf_hybrid: the learning rate {user:.2g} was kept: {tried}."
-        if self.readings_here:  # all it did was read: say what that cost
-            share = self.reading_seconds / max(time.perf_counter() - self.train_started, 1e-9)
-            return (f"hf_hybrid: the learning rate {user:.2g} was kept; the autopilot's {self.readings_here} readings "
-                    f"(three forwards each) took {self.reading_seconds:.1f} s, {100 * share:.1f}% of this train() "
-                    f"call's time; --hybrid_lr_autopilot false skips them where the learning rate is known to be "
-                    f"right.")
-        return None
+        """The end line (autopilot/end_line.py)."""
+        return end_line(self.scale, RunEnd(
+            user_lr=self.user_base_lrs[0],
+            cooldown_steps=self.trainer.state.max_steps - self._cooldown_start() if self._cooling() else None,
+            readings=self.readings_here, reading_seconds=self.reading_seconds,
+            train_seconds=time.perf_counter() - self.train_started))
 
     def stats(self) -> dict:
         """For `hybrid_stats()`: the scale's counts and the first steps' alignment."""

@@ -1,0 +1,47 @@
+"""The autopilot's end line: what it did to the learning rate, and what to pass next time, from what the run decided.
+It advises only a learning rate that was judged: one under trial at the end is named, not advised."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .scale import LrScale
+
+
+@dataclass
+class RunEnd:
+    """What the line needs to know about the run beyond the scale."""
+
+    user_lr: float  # the first parameter group's base learning rate as the user gave it
+    cooldown_steps: int | None  # steps over which a raised scale came back to 1, where the schedule has no decay
+    readings: int  # readings taken by this process
+    reading_seconds: float
+    train_seconds: float  # this train() call's time so far
+
+
+def end_line(scale: LrScale, run: RunEnd) -> str | None:
+    s, user = scale, run.user_lr
+    raised = user * s.scale
+    tried = f"{s.raises_kept} raises kept, {s.trials_undone} undone"
+    if s.on_trial:  # the run ended before the verdict (a jump held the reading back): advise only what was judged
+        judged = user * s.trial_from
+        advice = (f"pass --learning_rate {judged:.2g} next time" if s.trial_from != 1.0 else
+                  f"--learning_rate {user:.2g} stands")
+        return (f"hf_hybrid: training ended before a {s.trial_raise:.1f}x raise of the learning rate "
+                f"({judged:.2g} -> {raised:.2g}) could be judged ({tried}); {advice}.")
+    if run.cooldown_steps is not None:
+        return (f"hf_hybrid: raised the learning rate {s.scale:.1f}x: {user:.2g} -> {raised:.2g} ({tried}), and "
+                f"brought it back to {user:.2g} over the last {run.cooldown_steps} steps, since this schedule has no "
+                f"decay of its own; a constant {raised:.2g} is not advised: a higher constant learning rate can end a "
+                f"run higher.")
+    if s.scale != 1.0:
+        return (f"hf_hybrid: raised the learning rate {s.scale:.1f}x: {user:.2g} -> {raised:.2g} ({tried}); pass "
+                f"--learning_rate {raised:.2g} next time.")
+    if s.trials_undone:
+        return f"hf_hybrid: the learning rate {user:.2g} was kept: {tried}."
+    if run.readings:  # all it did was read: say what that cost
+        share = run.reading_seconds / max(run.train_seconds, 1e-9)
+        return (f"hf_hybrid: the learning rate {user:.2g} was kept; the autopilot's {run.readings} readings (three "
+                f"forwards each) took {run.reading_seconds:.1f} s, {100 * share:.1f}% of this train() call's time; "
+                f"--hybrid_lr_autopilot false skips them where the learning rate is known to be right.")
+    return None
