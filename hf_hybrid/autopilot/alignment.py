@@ -10,14 +10,16 @@ path inside the warmup"), mean over steps 3-10:
   at 5e-5 and 5e-4 on an unswept one; 0.016-0.019 at a third of the swept LR and above;
 - from scratch 0.018-0.057 at every LR, the highest at a tenth;
 - LoRA 0.29-0.43 at every LR: its adapters start at zero, so the displacement is all theirs.
-ALIGNED sits between the scratch runs' 0.057 and the fine-tunes' 0.077. The alignment does not ask for a raise: the
-line (autopilot/scale.py) still does, but in an aligned run one long reading is enough, not two in a row, and the raise
-may be up to MAX_ALIGNED_RAISE, and it may come as soon as the window closes, inside the schedule's warmup (a run that
-reads below the gate waits for the warmup's end + 10 steps, past its first descent); the verdict judges it as any
-other. So a LoRA run at a good LR, aligned but reading a short line, is not raised. Measured on the tuning half
-(docs/benchmarks.md, "Raising inside the warmup"): at 5e-5 with a 10- and a 20-step warmup, G 0.64 -> 0.75 and
-0.73 -> 0.84 in updates; at the swept LR of the LoRA setting, which reads aligned, a 2.3x raise ended 0.031 below the
-Trainer.
+ALIGNED sits between the scratch runs' 0.057 and the fine-tunes' 0.077. A third scratch setting of that half, run after
+the gate was set, reads 0.091 and 0.081 at a tenth and a third of its swept LR: from scratch the gate does not tell
+those two apart, and a run at a third raises to 16x (docs/benchmarks.md, "A reading every 5 steps while a raise is under
+way"). The alignment does not ask for a raise: the line (autopilot/scale.py) still does, but in an aligned run one long
+reading is enough, not two in a row, and the raise may be up to MAX_ALIGNED_RAISE, and it may come as soon as the window
+closes, inside the schedule's warmup (a run that reads below the gate waits for the warmup's end + 10 steps, past its
+first descent); the verdict judges it as any other. So a LoRA run at a good LR, aligned but reading a short line, is not
+raised. Measured on the tuning half (docs/benchmarks.md, "Raising inside the warmup"): at 5e-5 with a 10- and a 20-step
+warmup, G 0.64 -> 0.75 and 0.73 -> 0.84 in updates; at the swept LR of the LoRA setting, which reads aligned, a 2.3x
+raise ended 0.031 below the Trainer.
 
 Costs one copy of the weights from the first update to LAST_STEP, then released: in pinned host memory on an
 accelerator, so that it adds nothing to the device's peak in the steps that also take the guard's first snapshots, and
