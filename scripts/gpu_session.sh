@@ -75,12 +75,12 @@ part finetune "${T_FINETUNE:-240}" $BENCH --preset "$FINETUNE" --learning_rate 5
 part cost "${T_COST:-200}" $PY scripts/benchmark.py --preset "$PRESET" --repeats 3 --seed 0 --full_determinism \
   --max_steps "${COST_STEPS:-200}" --output_dir "$WORK/cost"
 # The rollback copies on the device and in pinned memory: where each went, and the two runs bit for bit equal.
-part placement "${T_PLACEMENT:-60}" $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py -k rollback_copies
+part placement "${T_PLACEMENT:-60}" $PY -m pytest -q -p no:cacheprovider tests/test_cuda_memory.py -k rollback_copies
 part scratch355 "${T_355:-100}" $BENCH --preset "$MEDIUM" --lr_scale 0.1 --max_steps "${STEPS_355:-150}" \
   --output_dir "$WORK/scratch355"
 
-part tests "${T_TESTS:-200}" $PY -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_cuda.py tests/test_memory.py \
-  tests/test_fsdp2.py}
+part tests "${T_TESTS:-200}" $PY -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_cuda.py tests/test_cuda_memory.py \
+  tests/test_memory.py tests/test_fsdp2.py}
 part exact "${T_EXACT:-150}" $PY scripts/benchmark.py --preset "$PRESET" --repeats 1 --seed 0 --full_determinism \
   --max_steps "${EXACT_STEPS:-200}" --output_dir "$WORK/exact"
 part ab "${T_AB:-170}" $BENCH --preset "$PRESET" --output_dir "$WORK/ab"

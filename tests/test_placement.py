@@ -1,6 +1,6 @@
 """Where the rollback copies go on a GPU (memory/placement.py): the choice against the share of the room at the peak,
-and the bytes each owner says it may hold. On a GPU, tests/test_cuda.py checks the copies' place and that the run is
-the same bit for bit either way."""
+and the bytes each owner says it may hold. On a GPU, tests/test_cuda_memory.py checks the copies' place and that the run
+is the same bit for bit either way."""
 
 from __future__ import annotations
 
