@@ -54,6 +54,7 @@ def checkpoints(output_dir: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def recipe():
+    sys.path.insert(0, str(RECIPE.parent))  # where `python recipes/train_clm.py` finds clm_arguments.py
     spec = importlib.util.spec_from_file_location("train_clm", RECIPE)
     module = importlib.util.module_from_spec(spec)
     # dataclasses resolve the module's string annotations through sys.modules.
