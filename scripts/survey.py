@@ -74,9 +74,31 @@ def run(name: str, args) -> None:
     user, swept = user_and_swept_lr(name, Path(args.reports))
     out = Path(args.work) / name
     benchmark("--preset", f"survey-{name}", "--repeats", "1", "--seed", str(args.seed), "--learning_rate", f"{user:g}",
-              "--swept_learning_rate", f"{swept:g}", "--sf_learning_rate", f"{swept:g}", "--arms", ARMS,
+              "--swept_learning_rate", f"{swept:g}", "--sf_learning_rate", f"{swept:g}", "--arms", args.arms,
               *_steps(args), "--output_dir", str(out))
-    shutil.copy(out / f"survey-{name}-speed" / "report.json", Path(args.reports) / f"{name}-user-seed{args.seed}.json")
+    kept = Path(args.reports) / f"{name}-user-seed{args.seed}.json"
+    report = json.loads((out / f"survey-{name}-speed" / "report.json").read_text())
+    if kept.exists():
+        carry_peers(report, json.loads(kept.read_text()))
+    kept.write_text(json.dumps(report, indent=2))
+
+
+def carry_peers(report: dict, kept: dict) -> None:
+    """The peers this run left out (`--arms hybrid,swept`: the hybrid measured again at a new behaviour version), from
+    the kept report of the same setting and seed. A peer runs with the hybrid off, so the library's version does not
+    move it, and its G is computed against the baseline and the swept Trainer of its own run: in updates it is the same
+    number, in wall clock it carries that run's clock. The report says which arms were carried and from which run."""
+    carried = [arm for arm in G_ARMS if arm != "hybrid" and arm not in report.get("sweep_fraction", {})
+               and arm in kept.get("sweep_fraction", {})]
+    for arm in carried:
+        for key in (arm, f"{arm}_speedups", f"{arm}_update_speedups", f"{arm}_learning_rate"):
+            if key in kept:
+                report[key] = kept[key]
+        report["sweep_fraction"][arm] = kept["sweep_fraction"][arm]
+    if carried:
+        report["environment"]["peers_carried"] = {
+            "arms": carried, "behaviour_version": kept["environment"].get("behaviour_version"),
+            "commit": kept["environment"].get("commit")}
 
 
 def check(name: str, args) -> None:
@@ -176,6 +198,8 @@ def main() -> None:
     parser.add_argument("--reports", default=str(HERE.parent / "docs" / "survey"))
     parser.add_argument("--work", default="runs/survey")
     parser.add_argument("--json", help="table: also write the rows here")
+    parser.add_argument("--arms", default=ARMS, help="run: the arms beside the baseline; peers left out are carried "
+                        "from the kept report of the same seed")
     parser.add_argument("--set", nargs="*", default=[], metavar="FLAG=VALUE", help="check: hybrid flag overrides")
     args = parser.parse_args()
     Path(args.reports).mkdir(parents=True, exist_ok=True)

@@ -88,3 +88,22 @@ def test_only_reports_whose_runs_version_5_leaves_alone_or_were_measured_again_a
                        "s-hybrid-seed0.json": 5, "t-hybrid-seed0.json": 4}
     carried = json.loads(unaligned.read_text())["environment"]["behaviour_carried"]
     assert carried["from"] == 4 and carried["earlier"] == {"from": 3} and carried["evidence"] == str(evidence)
+
+
+def test_a_run_of_the_hybrid_alone_carries_the_peers_from_the_kept_report_and_says_so():
+    from survey import carry_peers
+
+    def arm(seconds: float) -> list[dict]:
+        return [{"train_seconds": seconds}]
+
+    kept = {"hybrid": arm(1.0), "prodigy": arm(2.0), "prodigy_speedups": [1.5], "prodigy_update_speedups": [1.4],
+            "prodigy_learning_rate": 1.0, "sf": arm(3.0), "sf_learning_rate": 1e-3,
+            "sweep_fraction": {"hybrid": {"updates": [0.7]}, "prodigy": {"updates": [0.5]}, "sf": {"updates": [0.0]}},
+            "environment": {"behaviour_version": 5, "commit": "abc"}}
+    new = {"hybrid": arm(9.0), "swept": arm(8.0), "sweep_fraction": {"hybrid": {"updates": [0.9]}},
+           "environment": {"behaviour_version": 6}}
+    carry_peers(new, kept)
+    assert new["hybrid"] == arm(9.0) and new["sweep_fraction"]["hybrid"] == {"updates": [0.9]}  # this run's own
+    assert new["prodigy"] == arm(2.0) and new["prodigy_speedups"] == [1.5] and new["sf_learning_rate"] == 1e-3
+    assert new["sweep_fraction"]["prodigy"] == {"updates": [0.5]} and "mechanic" not in new["sweep_fraction"]
+    assert new["environment"]["peers_carried"] == {"arms": ["prodigy", "sf"], "behaviour_version": 5, "commit": "abc"}
