@@ -36,7 +36,7 @@ def _constant_run(output_dir, **overrides) -> HybridHFTrainer:
 
 
 def test_a_raised_constant_schedule_ends_at_the_users_lr_and_says_so(tmp_out, monkeypatch, caplog):
-    """Every line reads 10 steps: the raise is kept, holds until the last fifth (step 40), then the LR falls each
+    """Every line reads 10 steps: the raises are kept, hold until the last fifth (step 40), then the LR falls each
     step to the user's at the end; no raise starts in the 10 steps before it; the end line says so and advises no
     higher constant LR."""
     monkeypatch.setattr("hf_hybrid.autopilot.scale.reach_of_line", lambda f0, f1, f2: 10.0 / SPACING)
@@ -45,8 +45,9 @@ def test_a_raised_constant_schedule_ends_at_the_users_lr_and_says_so(tmp_out, mo
     with caplog.at_level(logging.WARNING):
         trainer.train()
     scale = trainer._lr_autopilot.scale
-    # Raised at step 22 and kept at 32, which starts no other raise: its verdict would come inside the cooldown.
-    assert scale.scale == 2.0 and scale.raises_kept == 1 and not scale.on_trial
+    # Raised at step 22, kept 5 steps on and raised again, kept at 32, which starts no other raise: its verdict would
+    # come inside the cooldown.
+    assert scale.scale == 4.0 and scale.raises_kept == 2 and not scale.on_trial
     lrs = [entry["learning_rate"] for entry in trainer.state.log_history if "learning_rate" in entry]
     assert lrs[40] == pytest.approx(1e-4 * scale.scale)  # the judged scale, up to the cooldown
     assert all(a > b for a, b in zip(lrs[40:], lrs[41:])) and lrs[-1] < 1e-4 * (1 + (scale.scale - 1) / 9)

@@ -58,36 +58,38 @@ def test_a_setting_is_swept_then_run_at_a_tenth_of_its_swept_lr(tmp_path):
     assert [row["setting"] for row in rows] == [name] and name in out
 
 
-def test_only_reports_whose_runs_version_5_leaves_alone_or_were_measured_again_are_carried(tmp_path, monkeypatch):
+def test_only_reports_whose_hybrid_runs_tried_no_raise_or_were_measured_again_are_carried(tmp_path):
     import carry_reports
 
     def write(name: str, report: dict) -> Path:
         (tmp_path / name).write_text(json.dumps(report))
         return tmp_path / name
 
-    # Version 5 moves runs that read aligned under a warmup: setting "w0" has none.
-    monkeypatch.setattr(carry_reports, "warmup_steps", lambda setting: 0 if setting == "w0" else 10)
-    old = {"behaviour_version": 4, "behaviour_carried": {"from": 3}}
-    unaligned = write("s-user-seed0.json", {"learning_rate": 1e-3, "environment": dict(old)})
-    aligned = write("s-user-seed1.json", {"learning_rate": 1e-4, "environment": dict(old)})
-    no_warmup = write("w0-user-seed0.json", {"learning_rate": 1e-4, "environment": dict(old)})
-    checked_again = write("s-hybrid-seed0.json", {"environment": dict(old), "runs": [
-        {"learning_rate": 1e-4, "environment": {"behaviour_version": 5}}, {"learning_rate": 1e-3}]})
-    stale = write("t-hybrid-seed0.json", {"environment": dict(old), "runs": [{"learning_rate": 1e-4}]})
-    evidence = write("evidence.json", {"rows": [{"setting": s, "learning_rate": lr, "aligned": lr == 1e-4}
-                                                for s in ("s", "t", "w0") for lr in (1e-4, 1e-3)]})
+    def stats(kept: int, undone: int = 0) -> dict:
+        return {"hybrid_stats": {"lr_raises_kept": kept, "lr_trials_undone": undone}}
+
+    old = {"behaviour_version": 5, "behaviour_carried": {"from": 4}}
+    never_raised = write("a-user-seed0.json", {"learning_rate": 1e-3, "environment": dict(old), "hybrid": [stats(0)]})
+    raised = write("a-user-seed1.json", {"learning_rate": 1e-4, "environment": dict(old), "hybrid": [stats(2)]})
+    undone = write("b-user-seed0.json", {"learning_rate": 1e-4, "environment": dict(old), "hybrid": [stats(0, 1)]})
+    checked_again = write("a-hybrid-seed0.json", {"arm": "hybrid", "environment": dict(old), "runs": [
+        {"learning_rate": 1e-4, **stats(3), "environment": {"behaviour_version": 6}},
+        {"learning_rate": 1e-3, **stats(0)}]})
+    stale = write("b-hybrid-seed0.json", {"arm": "hybrid", "environment": dict(old), "runs": [
+        {"learning_rate": 1e-4, **stats(1)}, {"learning_rate": 1e-3, **stats(0)}]})
+    sweep = write("a-sweep-seed0.json", {"arm": "baseline", "environment": dict(old), "runs": []})
     argv = sys.argv
     try:
-        sys.argv = ["carry_reports.py", "--evidence", str(evidence), "--reports", str(tmp_path)]
+        sys.argv = ["carry_reports.py", "--reports", str(tmp_path)]
         carry_reports.main()
     finally:
         sys.argv = argv
     version = {p.name: json.loads(p.read_text())["environment"]["behaviour_version"]
-               for p in (unaligned, aligned, no_warmup, checked_again, stale)}
-    assert version == {"s-user-seed0.json": 5, "s-user-seed1.json": 4, "w0-user-seed0.json": 5,
-                       "s-hybrid-seed0.json": 5, "t-hybrid-seed0.json": 4}
-    carried = json.loads(unaligned.read_text())["environment"]["behaviour_carried"]
-    assert carried["from"] == 4 and carried["earlier"] == {"from": 3} and carried["evidence"] == str(evidence)
+               for p in (never_raised, raised, undone, checked_again, stale, sweep)}
+    assert version == {"a-user-seed0.json": 6, "a-user-seed1.json": 5, "b-user-seed0.json": 5,
+                       "a-hybrid-seed0.json": 6, "b-hybrid-seed0.json": 5, "a-sweep-seed0.json": 5}
+    carried = json.loads(never_raised.read_text())["environment"]["behaviour_carried"]
+    assert carried["from"] == 5 and carried["earlier"] == {"from": 4}
 
 
 def test_a_run_of_the_hybrid_alone_carries_the_peers_from_the_kept_report_and_says_so():

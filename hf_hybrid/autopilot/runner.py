@@ -45,6 +45,13 @@ logger = logging.get_logger(__name__)
 # count as no line. The late raises on record in tuned runs (a steady reach at cpu-small's own LR) were undone by
 # their verdicts. The end line says what the readings cost.
 READ_EVERY = 10
+# While a raise is under way past the warmup and the first descent (after a reading that raised or kept one, and while
+# one is on trial) the next reading comes sooner: from scratch the autopilot moves 2x a reading there, where Mechanic's
+# learned LR grows 7-17x between steps 20 and 30 (docs/benchmarks.md, "Mechanic's learned learning rate, step by
+# step"). Not before: a run raises there only on its first steps' alignment (FIRST_DESCENT_STEPS), which does not
+# tell a third of the swept LR from a tenth from scratch, and at this pace such a run rode to 9.6x the swept LR
+# (docs/benchmarks.md, "A reading every 5 steps while a raise is under way").
+RAISING_READ_EVERY = 5
 # No raise starts in the first steps after the schedule's warmup either: a run from scratch is still in its first
 # descent there, which reads long at any LR. On cpu-small (20 warmup steps) at its own LR the line read 8.2-8.6 steps
 # at step 20 and 4.3-5.3 at 25, then 0-1.9 from step 30 (seeds 0-2); a raise at step 21 ended 0.28 above the
@@ -173,7 +180,10 @@ class LrAutopilot:
                                      aligned=self.alignment.aligned is True)
             self.last_reading = step
             busy = decision in ("raise", "keep") or scale.on_trial or not had_rate or scale.evidence_building
-            self.read_every = READ_EVERY if busy else 2 * self.read_every
+            raising = decision in ("raise", "keep") or scale.on_trial
+            past_descent = self._scheduler.last_epoch >= self._warmup_steps() + FIRST_DESCENT_STEPS
+            self.read_every = (RAISING_READ_EVERY if raising and past_descent else READ_EVERY if busy
+                               else 2 * self.read_every)
             if decision == "raise":
                 self.guard_loop.snapshot_asked = True  # the undo point: before the first update at the new scale
             elif decision == "undo":
