@@ -1,0 +1,45 @@
+"""The autopilot's end line (autopilot/end_line.py), word for word in each case: it advises only a learning rate that
+was judged, and says what the run did."""
+
+from __future__ import annotations
+
+from hf_hybrid.autopilot.end_line import RunEnd, end_line
+from hf_hybrid.autopilot.scale import LrScale
+
+RUN = RunEnd(user_lr=1e-4, cooldown_steps=None, readings=0, reading_seconds=0.0, train_seconds=100.0)
+
+
+def test_a_kept_raise_is_advised():
+    scale = LrScale(scale=4.0, raises_kept=2, trials_undone=1)
+    assert end_line(scale, RUN) == ("hf_hybrid: raised the learning rate 4.0x: 0.0001 -> 0.0004 (2 raises kept, 1 "
+                                    "undone); pass --learning_rate 0.0004 next time.")
+
+
+def test_a_raise_still_on_trial_at_the_end_is_named_and_only_the_judged_lr_advised():
+    judged_before = LrScale(scale=8.0, trial_from=4.0, raises_kept=2)
+    assert end_line(judged_before, RUN) == (
+        "hf_hybrid: training ended before a 2.0x raise of the learning rate (0.0004 -> 0.0008) could be judged (2 "
+        "raises kept, 0 undone); pass --learning_rate 0.0004 next time.")
+    first = LrScale(scale=2.0, trial_from=1.0)
+    assert end_line(first, RUN).endswith("(0 raises kept, 0 undone); --learning_rate 0.0001 stands.")
+
+
+def test_a_raise_brought_back_by_the_cooldown_is_not_advised():
+    line = end_line(LrScale(scale=2.0, raises_kept=1), RunEnd(**{**vars(RUN), "cooldown_steps": 20}))
+    assert line == ("hf_hybrid: raised the learning rate 2.0x: 0.0001 -> 0.0002 (1 raises kept, 0 undone), and brought "
+                    "it back to 0.0001 over the last 20 steps, since this schedule has no decay of its own; a constant "
+                    "0.0002 is not advised: a higher constant learning rate can end a run higher.")
+
+
+def test_a_run_whose_raises_were_all_undone_keeps_the_users_lr_and_says_so():
+    assert end_line(LrScale(trials_undone=2), RUN) == (
+        "hf_hybrid: the learning rate 0.0001 was kept: 0 raises kept, 2 undone.")
+
+
+def test_a_run_that_only_read_says_what_the_readings_cost_and_one_that_did_not_read_says_nothing():
+    reading = RunEnd(**{**vars(RUN), "readings": 5, "reading_seconds": 2.5})
+    assert end_line(LrScale(readings=5), reading) == (
+        "hf_hybrid: the learning rate 0.0001 was kept; the autopilot's 5 readings (three forwards each) took 2.5 s, "
+        "2.5% of this train() call's time; --hybrid_lr_autopilot false skips them where the learning rate is known to "
+        "be right.")
+    assert end_line(LrScale(), RUN) is None
