@@ -132,9 +132,9 @@ def test_no_raise_starts_before_the_third_reading_after_a_guard_skip(tmp_path, m
 
 def test_no_raise_starts_where_the_run_would_end_before_its_verdict(tmp_out, monkeypatch):
     """Every line reads 10 steps, on a constant schedule whose last fifth (from step 32) brings a raised LR back to the
-    user's: the raise at step 22 is judged 5 steps on and kept, and that reading starts no other, whose verdict would
-    come READ_EVERY steps before that end at the earliest. Had one been open at the end, the end line would advise only
-    the LR that was judged."""
+    user's: the raise at step 22 is judged 5 steps on and kept, and that reading starts no other, since fewer than
+    READ_EVERY steps are left before that end. Had one been open at the end, the end line would advise only the LR
+    that was judged."""
     monkeypatch.setattr("hf_hybrid.autopilot.scale.reach_of_line", lambda f0, f1, f2: 10.0 / SPACING)
     monkeypatch.setattr("hf_hybrid.autopilot.alignment.ALIGNED", math.inf)  # raises of 2x, whatever the first steps
     trainer = make_trainer(tmp_out, learning_rate=1e-4, lr_scheduler_type="constant", **{**OUTER, "max_steps": 40})
