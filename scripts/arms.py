@@ -80,6 +80,26 @@ def averaged(trainer_cls: type, average: WeightAverage) -> type:
     return Averaged
 
 
+def early_evaluations(trainer, every: int):
+    """A callback that evaluates every `every` updates before the first of `eval_steps`: the arms that reach a target
+    inside the first evaluation spacing (a swept LR often does) are timed there, not at the spacing's end. Counted as
+    the Trainer's updates, as the library counts its own evaluations (hf_hybrid/loop/step_veto.py), so that both arms
+    evaluate, and draw the evaluation DataLoader's seed from the global RNG, after the same updates."""
+    from transformers import TrainerCallback
+
+    class EarlyEvaluations(TrainerCallback):
+        done = 0  # the last early evaluation's count
+
+        def on_step_end(self, args, state, control, **kwargs):
+            engine = getattr(trainer, "hybrid_engine", None)
+            counted = state.global_step - (engine.made_up_steps if engine is not None else 0)
+            self.done = min(self.done, counted // every * every)  # an undo took the count back
+            if counted < args.eval_steps and counted >= self.done + every and not (engine and engine.jump_open):
+                control.should_evaluate, self.done = True, counted // every * every
+
+    return EarlyEvaluations()
+
+
 def run_arm(arm: str, preset: dict, out_dir: Path, seed: int, hybrid_overrides: dict, budget: float,
             target: float | None, hook_clock_on_gpu: bool) -> ArmResult:
     import torch
@@ -106,7 +126,8 @@ def run_arm(arm: str, preset: dict, out_dir: Path, seed: int, hybrid_overrides: 
         lr_scheduler_kwargs=preset.get("scheduler_kwargs", {}), warmup_steps=preset["warmup_steps"],
         weight_decay=preset["weight_decay"], optim=preset["optim"],
         bf16=preset["bf16"] and cuda, eval_strategy="steps", eval_steps=preset["eval_steps"], logging_steps=25,
-        save_strategy="no", report_to="none", seed=seed, data_seed=seed, disable_tqdm=True,
+        eval_on_start=bool(preset.get("early_eval_steps")), save_strategy="no", report_to="none", seed=seed,
+        data_seed=seed, disable_tqdm=True,
         dataloader_num_workers=0, use_cpu=not cuda, full_determinism=preset.get("full_determinism", False),
     )
     result = ArmResult(arm=arm)
@@ -155,6 +176,8 @@ def run_arm(arm: str, preset: dict, out_dir: Path, seed: int, hybrid_overrides: 
                 average.update()
 
         trainer.add_callback(AverageUpdate())  # before the clock's step end: its cost is training time
+    if preset.get("early_eval_steps"):
+        trainer.add_callback(early_evaluations(trainer, preset["early_eval_steps"]))
     clock = TrainingClock(trainer, result, target, stop_at_target=hybrid, cuda=cuda)
     trainer.add_callback(clock)
     add_optimizer_clock(trainer, result, cuda)
@@ -195,6 +218,8 @@ def arm_main(spec_json: str) -> None:
         preset["grad_accum"] = spec["grad_accum"]
     if spec["eval_at_end"]:
         preset["eval_steps"] = preset["max_steps"]
+    if not spec.get("early_evals"):
+        preset.pop("early_eval_steps", None)
     if spec["learning_rate"]:
         preset["learning_rate"] = spec["learning_rate"]
     preset["full_determinism"] = spec["full_determinism"]

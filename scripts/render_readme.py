@@ -9,8 +9,9 @@ One row per setting that has a report at the LR a user types (NAME-user-seedS.js
 tuning half, each in survey_settings.py's order, at most MAX_ROWS. A setting with no such report is left out.
 
 A report is current when its environment's behaviour_version is hf_hybrid.BEHAVIOUR_VERSION (the library raises it
-with every change that moves a run). A row's numbers come from current reports only, as the median over their seeds;
-a setting whose user reports are all older renders as a row that says it is not measured at the current version. The
+with every change that moves a run). A row's numbers come from current reports only, evaluated on the setting's
+current schedule (survey_settings.py's `evaluated_as_now`), as the median over their seeds; a setting whose user
+reports are all older renders as a row that says it is not measured at the current version. The
 never-worse cell needs the hybrid's check (NAME-hybrid-seed0.json) current beside the Trainer's sweep
 (NAME-sweep-seed0.json, the plain Trainer alone, which no library change moves), and says the same otherwise.
 """
@@ -29,7 +30,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO))
 
-from survey_settings import survey_settings  # noqa: E402
+from survey_settings import evaluated_as_now, survey_settings  # noqa: E402
 
 from hf_hybrid import BEHAVIOUR_VERSION  # noqa: E402
 
@@ -147,7 +148,8 @@ def rows(reports: Path = SURVEY) -> list[Row]:
         paths = sorted(reports.glob(f"{name}-user-seed*.json"))
         if not paths:
             continue
-        used = [(path, report) for path in paths if counts(report := json.loads(path.read_text()))]
+        used = [(path, report) for path in paths if current(report := json.loads(path.read_text()))
+                and evaluated_as_now(report, settings[name])]
         setting = f"`{name}` ({settings[name]['half']})"
         if not used:
             out.append(Row([setting, NOT_MEASURED, "-", "-", "-"]))

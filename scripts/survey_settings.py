@@ -26,7 +26,8 @@ def _scratch(n_layer: int, n_embd: int, n_head: int, corpus: str, scheduler: str
              batch: int = 8, accum: int = 1) -> dict:
     return dict(model=dict(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_positions=64), corpus=corpus,
                 block_size=64, batch_size=batch, grad_accum=accum, max_steps=steps, eval_steps=steps // 10,
-                eval_blocks=128, learning_rate=1e-3, warmup_steps=warmup, weight_decay=0.1, optim="adamw_torch",
+                early_eval_steps=steps // 100, eval_blocks=128, learning_rate=1e-3, warmup_steps=warmup,
+                weight_decay=0.1, optim="adamw_torch",
                 bf16=False, scheduler=scheduler, scheduler_kwargs=_schedule_kwargs(scheduler, steps), hybrid=dict(),
                 grid=SCRATCH_GRID, user_lr=None)
 
@@ -34,6 +35,7 @@ def _scratch(n_layer: int, n_embd: int, n_head: int, corpus: str, scheduler: str
 def _finetune(finetune: dict, scheduler: str, warmup: int, steps: int, batch: int = 8, accum: int = 1,
               lora_r: int = 0) -> dict:
     setting = dict(finetune, batch_size=batch, grad_accum=accum, max_steps=steps, eval_steps=steps // 10,
+                   early_eval_steps=steps // 100,
                    scheduler=scheduler, scheduler_kwargs=_schedule_kwargs(scheduler, steps), warmup_steps=warmup,
                    grid=FINETUNE_GRID, user_lr=FINETUNE_LR)
     if lora_r:
@@ -65,3 +67,11 @@ def survey_settings(finetune: dict) -> dict[str, dict]:
     }
     return {name: dict(setting, half=half) for half, group in (("tune", tune), ("report", report))
             for name, setting in group.items()}
+
+
+def evaluated_as_now(report: dict, setting: dict) -> bool:
+    """Whether a report at the user's LR was evaluated on the setting's current schedule. Its early evaluations
+    (every `early_eval_steps` updates before the first `eval_steps`, and one at the start) time an arm that reaches the
+    target inside the first spacing; without them such an arm counts as reaching it at the first evaluation, which
+    understates the swept Trainer's speedup and so overstates every arm's G."""
+    return (report.get("preset_settings") or {}).get("early_eval_steps") == setting.get("early_eval_steps")
