@@ -28,7 +28,7 @@ PRESETS = {
     # with the `velocity` predictor).
     "gpt2-124m": dict(
         model=dict(),
-        block_size=512, batch_size=8, grad_accum=1, max_steps=600, eval_steps=50, eval_blocks=128,
+        block_size=512, batch_size=8, grad_accum=1, max_steps=600, eval_steps=50, early_eval_steps=10, eval_blocks=128,
         learning_rate=6e-4, warmup_steps=50, weight_decay=0.1, optim="adamw_torch_fused", bf16=True, hybrid=dict(),
     ),
     # GPT-2 medium's shape (355M), from scratch as gpt2-124m; its learning_rate is GPT-3's for this size, unswept.
@@ -52,18 +52,19 @@ FINETUNE = dict(
 # GPT-2 124M pretrained on the shipped Shakespeare by a recipe inside the GPU suite's own call (no Hub there), then
 # fine-tuned on the transformers docstrings as `TrainingArguments` would by default: linear decay, no warmup, no
 # weight decay, at the user's 5e-5 (`--learning_rate`). Its learning_rate, the `swept` arm's, is the from-scratch tuned
-# 6e-4: a reference, not a sweep of this fine-tune.
+# 6e-4: a reference, not a sweep of this fine-tune. Early evaluations (`early_eval_steps`, scripts/arms.py) time the
+# arms that reach the target inside the first 25 steps, as the swept LR does in the CPU fine-tunes.
 FINETUNE_124M = dict(
     FINETUNE, pretrained="runs/pretrained/gpt2-124m-shakespeare",
     pretrain_recipe="recipes/configs/gpt2-124m-pretrain.yaml", block_size=512, batch_size=8, max_steps=300,
-    eval_steps=25, learning_rate=6e-4, warmup_steps=0, optim="adamw_torch_fused", bf16=True,
+    eval_steps=25, early_eval_steps=5, learning_rate=6e-4, warmup_steps=0, optim="adamw_torch_fused", bf16=True,
 )
 PRESETS.update({
     "gpt2-124m-finetune": FINETUNE_124M,
     # The same suite on a CPU in seconds (scripts/gpu_session.sh with PRESET=smoke, run by the tests).
     "smoke-finetune": dict(
         FINETUNE, pretrained="runs/pretrained/gpt2-smoke", pretrain_recipe="recipes/configs/gpt2-smoke-pretrain.yaml",
-        block_size=32, batch_size=4, max_steps=12, eval_steps=6, eval_blocks=8, learning_rate=3e-3,
+        block_size=32, batch_size=4, max_steps=12, eval_steps=6, early_eval_steps=2, eval_blocks=8, learning_rate=3e-3,
         warmup_steps=0, hybrid=PRESETS["smoke"]["hybrid"],
     ),
     # Schedule-free AdamW's own best LR here (runs 72 and 75, seed 0: 4.3030 at 6e-3, 4.3102 at 1.2e-2), for the

@@ -88,7 +88,11 @@ def carry_peers(report: dict, kept: dict) -> None:
     """The peers this run left out (`--arms hybrid,swept`: the hybrid measured again at a new behaviour version), from
     the kept report of the same setting and seed. A peer runs with the hybrid off, so the library's version does not
     move it, and its G is computed against the baseline and the swept Trainer of its own run: in updates it is the same
-    number, in wall clock it carries that run's clock. The report says which arms were carried and from which run."""
+    number, in wall clock it carries that run's clock. The report says which arms were carried and from which run.
+    Nothing is carried from a run evaluated on another schedule: its G has another resolution."""
+    new_settings, kept_settings = report.get("preset_settings") or {}, kept.get("preset_settings") or {}
+    if any(new_settings.get(k) != kept_settings.get(k) for k in ("eval_steps", "early_eval_steps")):
+        return
     carried = [arm for arm in G_ARMS if arm != "hybrid" and arm not in report.get("sweep_fraction", {})
                and arm in kept.get("sweep_fraction", {})]
     for arm in carried:

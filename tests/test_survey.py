@@ -47,6 +47,9 @@ def test_a_setting_is_swept_then_run_at_a_tenth_of_its_swept_lr(tmp_path):
     report = json.loads((tmp_path / "reports" / f"{name}-user-seed0.json").read_text())
     assert report["learning_rate"] == pytest.approx(swept / 10) and report["swept_learning_rate"] == swept
     assert {"hybrid", "prodigy", "mechanic", "sf"} <= set(report["sweep_fraction"])
+    # Every arm is evaluated at the start and every early_eval_steps (3) updates before the first eval_steps (30).
+    assert [e[0] for e in report["baseline"][0]["evals"]] == [0, 3, 6, 8]
+    assert [e[0] for e in report["swept"][0]["evals"]][:3] == [0, 3, 6]
     # The never-worse check: the hybrid alone at an LR the sweep ran; in 8 steps it raises nothing and jumps nowhere,
     # so it must end exactly where the Trainer did.
     checked = survey("check", name, "--learning_rates", f"{swept:g}", *where)
@@ -56,6 +59,12 @@ def test_a_setting_is_swept_then_run_at_a_tenth_of_its_swept_lr(tmp_path):
     out = survey("table", "--half", "all", "--json", str(tmp_path / "table.json"), *where[:4])
     rows = json.loads((tmp_path / "table.json").read_text())
     assert [row["setting"] for row in rows] == [name] and name in out
+    # A report evaluated without the early evaluations no longer counts: its G had another resolution.
+    path = tmp_path / "reports" / f"{name}-user-seed0.json"
+    report["preset_settings"].pop("early_eval_steps")
+    path.write_text(json.dumps(report))
+    survey("table", "--half", "all", "--json", str(tmp_path / "table.json"), *where[:4])
+    assert json.loads((tmp_path / "table.json").read_text()) == []
 
 
 def test_only_reports_whose_hybrid_runs_tried_no_raise_or_were_measured_again_are_carried(tmp_path):
@@ -104,6 +113,9 @@ def test_a_run_of_the_hybrid_alone_carries_the_peers_from_the_kept_report_and_sa
             "environment": {"behaviour_version": 5, "commit": "abc"}}
     new = {"hybrid": arm(9.0), "swept": arm(8.0), "sweep_fraction": {"hybrid": {"updates": [0.9]}},
            "environment": {"behaviour_version": 6}}
+    other_schedule = dict(new, preset_settings={"eval_steps": 30, "early_eval_steps": 3})
+    carry_peers(other_schedule, kept)
+    assert "prodigy" not in other_schedule and "peers_carried" not in other_schedule["environment"]
     carry_peers(new, kept)
     assert new["hybrid"] == arm(9.0) and new["sweep_fraction"]["hybrid"] == {"updates": [0.9]}  # this run's own
     assert new["prodigy"] == arm(2.0) and new["prodigy_speedups"] == [1.5] and new["sf_learning_rate"] == 1e-3
