@@ -48,7 +48,8 @@ CAPTION = ("Rendered by `scripts/render_readme.py` from the LR-autopilot survey'
            "fine-tune, a tenth of the swept LR from scratch. (report) rows come from the half left unread while the "
            "autopilot was tuned, (tune) rows from the half it was tuned on. An arm's cell: the Trainer's updates to "
            "its own final loss over the arm's (for the hybrid, wall clock in brackets), then the arm's held-out loss "
-           "at the Trainer's number of updates. Peers: Prodigy, Mechanic, schedule-free AdamW. Never worse: the hybrid "
+           "at the Trainer's number of updates; evaluations at the start, every hundredth of the run up to the "
+           "first tenth, then every tenth. Peers: Prodigy, Mechanic, schedule-free AdamW. Never worse: the hybrid "
            "alone at each LR of the "
            "setting's grid from the user's to 3x the swept. Medians over seeds where several ran.")
 
