@@ -48,6 +48,8 @@ def test_every_number_in_the_table_comes_from_a_current_report():
             report = json.loads(path.read_text())
             plain_trainer_sweep = report.get("arm") == "baseline"  # no library change moves it
             assert plain_trainer_sweep or report["environment"]["behaviour_version"] == BEHAVIOUR_VERSION, path
+            if "-user-" in path.name:  # timed with the early evaluations, as the setting is now
+                assert report["preset_settings"]["early_eval_steps"] > 0, path
         if not row.sources:  # nothing current behind it: the row says so, with no number
             assert render_readme.NOT_MEASURED in row.cells and not re.search(r"[0-9]", " ".join(row.cells[1:]))
 
@@ -67,7 +69,9 @@ def _report(version: int) -> dict:
     arms["hybrid"][0].update(final_eval_loss=4.6, steps=240, evals=[[200, 10.0, 4.8, 200], [240, 12.0, 4.6, 240]])
     speedups = {"update_speedups": [2.1], "speedups": [2.2], "swept_update_speedups": [2.7],
                 "prodigy_update_speedups": [1.4], "mechanic_update_speedups": [None], "sf_update_speedups": [None]}
+    # Evaluated as the survey's 300-step settings are now: early, every 3 updates before the first 30.
     return {"learning_rate": 3e-4, "swept_learning_rate": 3e-3, **arms, **speedups,
+            "preset_settings": {"eval_steps": 30, "early_eval_steps": 3},
             "environment": {"behaviour_version": version, "commit": "0" * 40}}
 
 
@@ -82,6 +86,14 @@ def test_a_report_of_an_older_behaviour_renders_as_not_measured(tmp_path, versio
     [row] = render_readme.rows(tmp_path)
     assert row.sources == [] and row.cells[1] == render_readme.NOT_MEASURED
     assert "2.10x" not in render_readme.render(tmp_path)
+
+
+def test_a_report_evaluated_without_the_early_evaluations_renders_as_not_measured(tmp_path):
+    report = _report(BEHAVIOUR_VERSION)
+    del report["preset_settings"]["early_eval_steps"]  # its G had another resolution
+    (tmp_path / "lora8-docs-linear-user-seed0.json").write_text(json.dumps(report))
+    [row] = render_readme.rows(tmp_path)
+    assert row.sources == [] and row.cells[1] == render_readme.NOT_MEASURED
 
 
 def test_a_current_report_renders_its_numbers_with_the_best_peer(tmp_path):
