@@ -8,8 +8,8 @@ import torch
 from transformers import TrainerCallback
 
 from hf_hybrid import HybridHFTrainer
-from hf_hybrid.autopilot.alignment import ALIGNED, FIRST_STEP, LAST_STEP
-from hf_hybrid.autopilot.scale import MAX_ALIGNED_RAISE, MAX_RAISE, LrScale
+from hf_hybrid.autopilot.alignment import ALIGNED, FIRST_STEP, LAST_STEP, STRONGLY_ALIGNED
+from hf_hybrid.autopilot.scale import MAX_ALIGNED_RAISE, MAX_RAISE, MAX_SCALE, MAX_STRONGLY_ALIGNED_RAISE, LrScale
 
 from .conftest import hybrid_args, make_trainer, tiny_gpt2, token_dataset
 from .test_equivalence_resume import assert_bit_identical, state
@@ -50,19 +50,26 @@ def test_the_alignment_is_the_gradients_cosine_with_the_way_come_negated_over_it
     alignment = trainer._lr_autopilot.alignment
     assert trainer.hybrid_stats()["lr_start_alignment"] == pytest.approx(sum(window) / len(window), abs=1e-5)
     assert alignment.count == len(window) and alignment.aligned == (alignment.mean >= ALIGNED)
+    assert alignment.strongly_aligned == (alignment.mean >= STRONGLY_ALIGNED)
     assert not alignment.start.valid and alignment.start.tensors is None  # the start's copy is gone after the window
 
 
-def test_an_aligned_run_raises_on_one_long_reading_by_up_to_4x_and_a_steady_reach_as_before():
-    def aligned_read(s: LrScale, loss: float, bottom: float) -> str | None:
-        return s.reading(*line(loss, bottom), spacing=4.0, steps=10, schedule_factor=1.0, frozen=False, aligned=True)
+def test_an_aligned_run_raises_on_one_long_reading_by_up_to_4x_a_strongly_aligned_one_by_all_the_line_asks():
+    def aligned_read(s: LrScale, loss: float, bottom: float, strongly: bool = False) -> str | None:
+        return s.reading(*line(loss, bottom), spacing=4.0, steps=10, schedule_factor=1.0, frozen=False, aligned=True,
+                         strongly_aligned=strongly)
 
-    plain, aligned = LrScale(), LrScale()
+    plain, aligned, strongly = LrScale(), LrScale(), LrScale()
     # A line 12 steps long: 6x asked for. The plain scale needs it twice, with progress between; the aligned one
-    # raises on the first reading, by MAX_ALIGNED_RAISE.
+    # raises on the first reading, by MAX_ALIGNED_RAISE; the strongly aligned one by all of it.
     assert read(plain, 5.0, bottom=12.0) is None and read(plain, 4.9, bottom=12.0) == "raise"
     assert aligned_read(aligned, 5.0, bottom=12.0) == "raise"
+    assert aligned_read(strongly, 5.0, bottom=12.0, strongly=True) == "raise"
     assert plain.scale == MAX_RAISE and aligned.scale == MAX_ALIGNED_RAISE == 4.0
+    assert strongly.scale == pytest.approx(6.0)
+    # A 100-step line asks for 50x: the cap bounds it.
+    assert aligned_read(far := LrScale(), 5.0, bottom=100.0, strongly=True) == "raise"
+    assert far.scale == MAX_STRONGLY_ALIGNED_RAISE == MAX_SCALE
     # A 5-step line asks for 2.5x: aligned, that is what it gets; a short line asks for nothing.
     assert aligned_read(five := LrScale(), 5.0, bottom=5.0) == "raise" and five.scale == pytest.approx(2.5)
     assert aligned_read(short := LrScale(), 5.0, bottom=2.0) is None and short.scale == 1.0

@@ -67,25 +67,31 @@ def test_a_setting_is_swept_then_run_at_a_tenth_of_its_swept_lr(tmp_path):
     assert json.loads((tmp_path / "table.json").read_text()) == []
 
 
-def test_only_reports_whose_hybrid_runs_tried_no_raise_or_were_measured_again_are_carried(tmp_path):
+def test_only_reports_whose_hybrid_runs_read_below_the_strong_gate_tried_no_raise_or_were_measured_again_are_carried(
+        tmp_path):
     import carry_reports
 
     def write(name: str, report: dict) -> Path:
         (tmp_path / name).write_text(json.dumps(report))
         return tmp_path / name
 
-    def stats(kept: int, undone: int = 0) -> dict:
-        return {"hybrid_stats": {"lr_raises_kept": kept, "lr_trials_undone": undone}}
+    def stats(alignment: float, kept: int, undone: int = 0) -> dict:
+        return {"hybrid_stats": {"lr_start_alignment": alignment, "lr_raises_kept": kept, "lr_trials_undone": undone}}
 
-    old = {"behaviour_version": 5, "behaviour_carried": {"from": 4}}
-    never_raised = write("a-user-seed0.json", {"learning_rate": 1e-3, "environment": dict(old), "hybrid": [stats(0)]})
-    raised = write("a-user-seed1.json", {"learning_rate": 1e-4, "environment": dict(old), "hybrid": [stats(2)]})
-    undone = write("b-user-seed0.json", {"learning_rate": 1e-4, "environment": dict(old), "hybrid": [stats(0, 1)]})
+    old = {"behaviour_version": 6, "behaviour_carried": {"from": 5}}
+
+    def user(name: str, run: dict) -> Path:
+        return write(name, {"learning_rate": 1e-4, "environment": dict(old), "hybrid": [run]})
+
+    below_gate = user("a-user-seed0.json", stats(0.12, 3))
+    aligned = user("a-user-seed1.json", stats(0.3, 2))
+    undone = user("b-user-seed0.json", stats(0.4, 0, 1))
+    never_raised = user("b-user-seed1.json", stats(0.3, 0))
     checked_again = write("a-hybrid-seed0.json", {"arm": "hybrid", "environment": dict(old), "runs": [
-        {"learning_rate": 1e-4, **stats(3), "environment": {"behaviour_version": 6}},
-        {"learning_rate": 1e-3, **stats(0)}]})
+        {"learning_rate": 1e-4, **stats(0.4, 3), "environment": {"behaviour_version": 7}},
+        {"learning_rate": 1e-3, **stats(0.02, 1)}]})
     stale = write("b-hybrid-seed0.json", {"arm": "hybrid", "environment": dict(old), "runs": [
-        {"learning_rate": 1e-4, **stats(1)}, {"learning_rate": 1e-3, **stats(0)}]})
+        {"learning_rate": 1e-4, **stats(0.4, 1)}, {"learning_rate": 1e-3, **stats(0.02, 0)}]})
     sweep = write("a-sweep-seed0.json", {"arm": "baseline", "environment": dict(old), "runs": []})
     argv = sys.argv
     try:
@@ -94,11 +100,11 @@ def test_only_reports_whose_hybrid_runs_tried_no_raise_or_were_measured_again_ar
     finally:
         sys.argv = argv
     version = {p.name: json.loads(p.read_text())["environment"]["behaviour_version"]
-               for p in (never_raised, raised, undone, checked_again, stale, sweep)}
-    assert version == {"a-user-seed0.json": 6, "a-user-seed1.json": 5, "b-user-seed0.json": 5,
-                       "a-hybrid-seed0.json": 6, "b-hybrid-seed0.json": 5, "a-sweep-seed0.json": 5}
-    carried = json.loads(never_raised.read_text())["environment"]["behaviour_carried"]
-    assert carried["from"] == 5 and carried["earlier"] == {"from": 4}
+               for p in (below_gate, aligned, undone, never_raised, checked_again, stale, sweep)}
+    assert version == {"a-user-seed0.json": 7, "a-user-seed1.json": 6, "b-user-seed0.json": 6, "b-user-seed1.json": 7,
+                       "a-hybrid-seed0.json": 7, "b-hybrid-seed0.json": 6, "a-sweep-seed0.json": 6}
+    carried = json.loads(below_gate.read_text())["environment"]["behaviour_carried"]
+    assert carried["from"] == 6 and carried["earlier"] == {"from": 5}
 
 
 def test_a_run_of_the_hybrid_alone_carries_the_peers_from_the_kept_report_and_says_so():

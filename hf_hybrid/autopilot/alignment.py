@@ -40,6 +40,9 @@ from ..memory.snapshot import WeightSnapshot
 
 FIRST_STEP, LAST_STEP = 3, 10  # 1-based optimizer steps: the first two have no displacement worth a direction
 ALIGNED = 0.07
+# LoRA reads 0.29-0.46 up to its swept LR, full fine-tunes 0.12 at most and runs from scratch 0.09 at most, on the
+# tuning half: between them, a run whose raise may take the line's whole size (autopilot/scale.py).
+STRONGLY_ALIGNED = 0.2
 
 
 class StartAlignment:
@@ -103,6 +106,11 @@ class StartAlignment:
     def aligned(self) -> bool | None:
         """None until the window has closed."""
         return self.count > 0 and self.mean >= ALIGNED if self.closed else None
+
+    @property
+    def strongly_aligned(self) -> bool | None:
+        """None until the window has closed."""
+        return self.count > 0 and self.mean >= STRONGLY_ALIGNED if self.closed else None
 
     def state_dict(self) -> dict:
         return {"window": list(self._sums()), "closed": self.closed, "start": self.start.state_dict()}

@@ -177,7 +177,8 @@ class LrAutopilot:
             decision = scale.reading(*line, spacing=SPACING, steps=step - self.last_reading,
                                      schedule_factor=self._schedule_factor(), frozen=self._frozen(),
                                      trial_paid=scale.on_trial and self._raise_paid(),
-                                     aligned=self.alignment.aligned is True)
+                                     aligned=self.alignment.aligned is True,
+                                     strongly_aligned=self.alignment.strongly_aligned is True)
             self.last_reading = step
             busy = decision in ("raise", "keep") or scale.on_trial or not had_rate or scale.evidence_building
             raising = decision in ("raise", "keep") or scale.on_trial

@@ -22,7 +22,8 @@ A raise is a trial. The scale is multiplied by what would put the line's bottom 
 the two readings; a steady reach: its median at STEADY_TARGET), at most MAX_RAISE at a time and MAX_SCALE in all, and
 the trainer takes an undo point. A raise at most doubles the scale because a reach overstates how far the best LR
 is, and past it the final loss rises steeply (from scratch: 4.807 at the swept LR, 5.139 at 1.33x it), unless the
-run's first steps were aligned (autopilot/alignment.py: MAX_ALIGNED_RAISE, on one long reading); the next raise
+run's first steps were aligned (autopilot/alignment.py: MAX_ALIGNED_RAISE, or MAX_STRONGLY_ALIGNED_RAISE where they
+read strongly aligned, on one long reading); the next raise
 needs the line to read long again at the new scale (the reading that asked for a raise counts there at its reach
 divided by the raise). The next reading judges the trial: the raise is undone when the raised steps did worse, on the
 probe, than the point the old scale would have reached over the same batches (autopilot/verdict.py), and then everything
@@ -68,6 +69,12 @@ MAX_RAISE = 2.0
 # swept LR reads 12-70 steps) is let through up to here: at 2x a reading, such a run took until step 60 to reach 32x,
 # and recovered 0.79 of a sweep's gain where a switch to the swept LR at step 10 recovers all of it.
 MAX_ALIGNED_RAISE = 4.0
+# Where they read strongly aligned, as a LoRA run's do below its swept LR (autopilot/alignment.py), the line's whole
+# size is let through, up to the cap: a fine-tune's sweep gain is decided in its first 5-16 updates, and at 4x a reading
+# such a run reached 32x at update 31 (docs/benchmarks.md, "A larger first raise where the first steps read aligned").
+# From scratch the same one-reading raise, read in the first descent, went to 32x at once and ended 0.15 above the
+# Trainer at a third of the swept LR: a run that reads only aligned keeps the 4x step.
+MAX_STRONGLY_ALIGNED_RAISE = MAX_SCALE
 RAISE_REACH = 4.0  # a next step worth this many of today's (at the schedule's peak), twice in a row, asks for a raise
 TARGET_REACH = 2.0  # and the raise aims the line's bottom here: reaches of 9 and 5 raise 2.5x, capped at MAX_RAISE
 STEADY_READINGS = 3
@@ -92,10 +99,12 @@ class LrScale:
     previous: float | None = None  # the last reading's reach where a raise may start, in today's steps
 
     def reading(self, f0: float, f1: float, f2: float, spacing: float, steps: int, schedule_factor: float,
-                frozen: bool, trial_paid: bool = False, aligned: bool = False) -> str | None:
+                frozen: bool, trial_paid: bool = False, aligned: bool = False,
+                strongly_aligned: bool = False) -> str | None:
         """One reading, `steps` real steps after the last; `frozen`: no raise may start now (the schedule's warmup or
         final decay); `trial_paid`: on a trial, the verdict on the raise; `aligned`: the run's first steps said its LR
-        is far too small (autopilot/alignment.py), so one long line asks for a raise, of up to MAX_ALIGNED_RAISE.
+        is far too small (autopilot/alignment.py), so one long line asks for a raise, of up to MAX_ALIGNED_RAISE, or
+        MAX_STRONGLY_ALIGNED_RAISE where they said it `strongly_aligned`.
         Returns what the trainer must do: "raise", "keep" (a trial passed; the scale may have risen again), "undo"
         (restore the undo point: the scale is already back), or None."""
         self.readings += 1
@@ -124,8 +133,9 @@ class LrScale:
         # first reading, which has no rate yet.
         twice = reach if aligned else min(reach, previous) if previous is not None else 0.0
         steady = statistics.median(self.recent) if len(self.recent) == STEADY_READINGS else 0.0
-        wanted = max(min(twice / TARGET_REACH, MAX_ALIGNED_RAISE if aligned else MAX_RAISE) if twice >= RAISE_REACH
-                     else 0.0, min(steady / STEADY_TARGET, MAX_RAISE) if steady >= STEADY_REACH else 0.0)
+        most = MAX_STRONGLY_ALIGNED_RAISE if strongly_aligned else MAX_ALIGNED_RAISE if aligned else MAX_RAISE
+        wanted = max(min(twice / TARGET_REACH, most) if twice >= RAISE_REACH else 0.0,
+                     min(steady / STEADY_TARGET, MAX_RAISE) if steady >= STEADY_REACH else 0.0)
         factor = min(wanted, MAX_SCALE / self.scale)
         progress = rate > 0 if rate is not None else aligned
         if progress and not self.wait and factor > 1.0:
