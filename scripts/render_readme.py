@@ -10,7 +10,7 @@ tuning half, each in survey_settings.py's order, at most MAX_ROWS. A setting wit
 
 A report is current when its environment's behaviour_version is hf_hybrid.BEHAVIOUR_VERSION (the library raises it
 with every change that moves a run). A row's numbers come from current reports only, evaluated on the setting's
-current schedule (survey_settings.py's `evaluated_as_now`), as the median over their seeds; a setting whose user
+current schedule (survey_settings.py's `counts_now`), as the median over their seeds; a setting whose user
 reports are all older renders as a row that says it is not measured at the current version. The
 never-worse cell needs the hybrid's check (NAME-hybrid-seed0.json) current beside the Trainer's sweep
 (NAME-sweep-seed0.json, the plain Trainer alone, which no library change moves), and says the same otherwise.
@@ -30,9 +30,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO))
 
-from survey_settings import evaluated_as_now, survey_settings  # noqa: E402
-
-from hf_hybrid import BEHAVIOUR_VERSION  # noqa: E402
+from survey_settings import at_current_version, counts_now, survey_settings  # noqa: E402
 
 README = REPO / "README.md"
 SURVEY = REPO / "docs" / "survey"
@@ -60,14 +58,10 @@ class Row:
     sources: list[Path] = field(default_factory=list)  # the reports its numbers come from
 
 
-def current(report: dict) -> bool:
-    return (report.get("environment") or {}).get("behaviour_version") == BEHAVIOUR_VERSION
-
-
 def counts(report: dict) -> bool:
     """Whether a report's numbers may reach the table: a current one, or a sweep of the plain Trainer alone, which no
     change to the library moves."""
-    return current(report) or report.get("arm") == "baseline"
+    return at_current_version(report) or report.get("arm") == "baseline"
 
 
 def _load(path: Path) -> dict | None:
@@ -149,8 +143,7 @@ def rows(reports: Path = SURVEY) -> list[Row]:
         paths = sorted(reports.glob(f"{name}-user-seed*.json"))
         if not paths:
             continue
-        used = [(path, report) for path in paths if current(report := json.loads(path.read_text()))
-                and evaluated_as_now(report, settings[name])]
+        used = [(path, report) for path in paths if counts_now(report := json.loads(path.read_text()), settings[name])]
         setting = f"`{name}` ({settings[name]['half']})"
         if not used:
             out.append(Row([setting, NOT_MEASURED, "-", "-", "-"]))

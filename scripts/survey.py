@@ -26,7 +26,7 @@ from pathlib import Path
 
 from presets import PRESETS
 from report import UPDATES, time_to
-from survey_settings import evaluated_as_now
+from survey_settings import counts_now
 
 HERE = Path(__file__).resolve().parent
 ARMS = "hybrid,prodigy,mechanic,sf,swept"
@@ -151,13 +151,10 @@ def _steps(args) -> list[str]:
 def rows(reports: Path, half: str) -> list[dict]:
     """Per setting with reports at the library's current behaviour version, evaluated on the setting's current
     schedule: each arm's median G over seeds, in updates and in wall clock."""
-    from hf_hybrid import BEHAVIOUR_VERSION
-
     out = []
     for name, setting in settings().items():
         runs = [json.loads(path.read_text()) for path in sorted(reports.glob(f"{name}-user-seed*.json"))]
-        runs = [r for r in runs if (r.get("environment") or {}).get("behaviour_version") == BEHAVIOUR_VERSION
-                and evaluated_as_now(r, setting)]
+        runs = [r for r in runs if counts_now(r, setting)]
         if half != "all" and setting["half"] != half or not runs:
             continue
         row = {"setting": name, "half": setting["half"], "seeds": len(runs),

@@ -75,3 +75,17 @@ def evaluated_as_now(report: dict, setting: dict) -> bool:
     target inside the first spacing; without them such an arm counts as reaching it at the first evaluation, which
     understates the swept Trainer's speedup and so overstates every arm's G."""
     return (report.get("preset_settings") or {}).get("early_eval_steps") == setting.get("early_eval_steps")
+
+
+def at_current_version(report: dict) -> bool:
+    """Whether a report was measured (or carried) at the library's behaviour version: a report from before a change
+    to what runs do no longer counts."""
+    from hf_hybrid import BEHAVIOUR_VERSION
+
+    return (report.get("environment") or {}).get("behaviour_version") == BEHAVIOUR_VERSION
+
+
+def counts_now(report: dict, setting: dict) -> bool:
+    """Whether a report at the user's LR counts in the survey's table and the README's: current, and evaluated on the
+    setting's current schedule."""
+    return at_current_version(report) and evaluated_as_now(report, setting)
