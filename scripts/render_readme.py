@@ -95,24 +95,31 @@ def _loss_at(arm: dict, updates: int) -> float:
 
 
 def _user_cells(reports: list[dict]) -> list[str]:
-    """The Trainer's, the hybrid's and the best peer's cells, from current reports at the user's LR."""
-    def final(arm: str) -> float:
+    """The Trainer's, the hybrid's and the best peer's cells, from current reports at the user's LR. A peer is read
+    from the seeds that ran it (a report may run the hybrid alone beside the Trainers), and says so when they are
+    fewer than the hybrid's."""
+    def final(arm: str, among: list[dict]) -> float:
         # At the Trainer's number of updates: under a constant schedule the benchmark lets the hybrid run on past it
         # to reach the target, and a loss after more updates is no final to set beside the Trainer's.
-        return statistics.median(_loss_at(r[arm][0], r["baseline"][0]["steps"]) for r in reports)
+        return statistics.median(_loss_at(r[arm][0], r["baseline"][0]["steps"]) for r in among)
 
-    def updates(prefix: str) -> float | None:
-        return _median_speedup([r[f"{prefix}update_speedups"][0] for r in reports])
+    def updates(prefix: str, among: list[dict]) -> float | None:
+        return _median_speedup([r[f"{prefix}update_speedups"][0] for r in among])
 
-    trainer = f"{final('baseline'):.3f}; swept: {_arm(updates('swept_'), final('swept'))}"
+    trainer = f"{final('baseline', reports):.3f}; swept: {_arm(updates('swept_', reports), final('swept', reports))}"
     wall = _median_speedup([r["speedups"][0] for r in reports])
-    hybrid = f"**{_arm(updates(''), final('hybrid'), wall)}**"
-    peers = [(updates(f"{arm}_"), final(arm), arm) for arm in PEERS if all(arm in r for r in reports)]
+    hybrid = f"**{_arm(updates('', reports), final('hybrid', reports), wall)}**"
+    peers = []
+    for arm in PEERS:
+        among = [r for r in reports if arm in r]
+        if among:
+            peers.append((updates(f"{arm}_", among), final(arm, among), arm, len(among)))
     # The best peer reaches the Trainer's loss in the fewest updates; where none does, the one with the lowest loss.
     reached = [p for p in peers if p[0] is not None]
     if peers:
-        speedup, loss, arm = max(reached, key=lambda p: p[0]) if reached else min(peers, key=lambda p: p[1])
-        peer = f"{PEERS[arm]}: {_arm(speedup, loss)}"
+        speedup, loss, arm, seeds = max(reached, key=lambda p: p[0]) if reached else min(peers, key=lambda p: p[1])
+        of = f" ({seeds} of {len(reports)} seeds)" if seeds < len(reports) else ""
+        peer = f"{PEERS[arm]}: {_arm(speedup, loss)}{of}"
     else:
         peer = "-"
     return [trainer, hybrid, peer]

@@ -105,6 +105,17 @@ def test_a_current_report_renders_its_numbers_with_the_best_peer(tmp_path):
                          "**2.10x (2.20x), 4.800**", "Prodigy: 1.40x, 5.200", render_readme.NOT_MEASURED]
 
 
+def test_a_peer_is_read_from_the_seeds_that_ran_it_and_says_how_many(tmp_path):
+    alone = _report(BEHAVIOUR_VERSION)  # a seed that ran the hybrid alone beside the Trainers
+    for arm in ("prodigy", "mechanic", "sf"):
+        del alone[arm]
+    alone["update_speedups"] = [3.1]
+    (tmp_path / "lora8-docs-linear-user-seed0.json").write_text(json.dumps(_report(BEHAVIOUR_VERSION)))
+    (tmp_path / "lora8-docs-linear-user-seed1.json").write_text(json.dumps(alone))
+    [row] = render_readme.rows(tmp_path)
+    assert row.cells[2:4] == ["**2.10x (2.20x), 4.800**", "Prodigy: 1.40x, 5.200 (1 of 2 seeds)"]
+
+
 def test_the_never_worse_cell_needs_a_current_check_beside_any_plain_trainer_sweep(tmp_path):
     name = "lora8-docs-linear"
     (tmp_path / f"{name}-user-seed0.json").write_text(json.dumps(_report(BEHAVIOUR_VERSION)))
