@@ -37,8 +37,9 @@ if __name__ == "__main__" and any(os.environ.get(k) != v for k, v in TUNED_HOST_
 import faults  # noqa: E402
 from environment import environment  # noqa: E402
 from model_and_data import build_model_and_data  # noqa: E402
-from render_readme import NOT_MEASURED, current, rows  # noqa: E402
+from render_readme import NOT_MEASURED, rows  # noqa: E402
 from report import UPDATES, time_to  # noqa: E402
+from survey_settings import at_current_version  # noqa: E402
 from timing import spent_updates  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -235,12 +236,13 @@ def plot_speed(out: Path, speed: dict) -> None:
 
 def recorded_swept_result(preset_name: str) -> dict | None:
     """The speed A/B at the swept LR, as recorded by `python scripts/demo.py --lr_scale 1 --skip_faults`, where it
-    was measured at the library's current behaviour (render_readme.current): an older record is not quoted."""
+    was measured at the library's current behaviour (survey_settings.at_current_version): an older record is not
+    quoted."""
     path = ROOT / DEMO_SWEPT_REPORT
     if preset_name != "demo" or not path.exists():
         return None
     report = json.loads(path.read_text())
-    if not current(report):
+    if not at_current_version(report):
         return None
     losses = [[e[2] for e in report["arms"][arm]["evals"]] for arm in ("baseline", "hybrid")]
     if losses[0] == losses[1]:  # the same run: the clock's difference is noise, not speed
