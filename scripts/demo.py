@@ -6,8 +6,7 @@
    the preset's swept learning rate (the LR a user runs without a sweep), timed to the Trainer's final eval loss; the
    swept-LR result is quoted beside it from its recorded report.
 
-Everything runs in this process on one tokenized copy of the shipped corpus. Reports (JSON) and plots (PNG) go to
---output_dir.
+Everything runs in this process on one tokenized copy of the shipped corpus; reports and plots go to --output_dir.
 
     python scripts/demo.py                 # the demo preset
     python scripts/demo.py --preset smoke  # seconds, for the test
@@ -236,8 +235,7 @@ def plot_speed(out: Path, speed: dict) -> None:
 
 def recorded_swept_result(preset_name: str) -> dict | None:
     """The speed A/B at the swept LR, as recorded by `python scripts/demo.py --lr_scale 1 --skip_faults`, where it
-    was measured at the library's current behaviour (survey_settings.at_current_version): an older record is not
-    quoted."""
+    was measured at the library's current behaviour version: an older record is not quoted."""
     path = ROOT / DEMO_SWEPT_REPORT
     if preset_name != "demo" or not path.exists():
         return None
