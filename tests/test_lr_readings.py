@@ -178,3 +178,23 @@ def test_no_raise_starts_in_the_first_descent_just_after_the_warmup_unless_the_f
     assert scales[raised_at - 2] == 1.0 and scales[raised_at - 1] > 1.0, scales  # raised there, not before
     if aligned:
         assert scales[raised_at - 1] == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize("strongly", [False, True])
+def test_a_strongly_aligned_run_takes_the_whole_long_line_at_its_first_raise(tmp_out, monkeypatch, strongly):
+    """Every line reads 100 steps (60 at step 12, 0.6 of the warmup's peak: 30x asked for). An aligned run raises 4x
+    there; one whose first steps read strongly aligned, as LoRA's do, takes all 30x."""
+    monkeypatch.setattr("hf_hybrid.autopilot.scale.reach_of_line", lambda f0, f1, f2: 100.0 / SPACING)
+    monkeypatch.setattr("hf_hybrid.autopilot.alignment.ALIGNED", -math.inf)
+    monkeypatch.setattr("hf_hybrid.autopilot.alignment.STRONGLY_ALIGNED", -math.inf if strongly else math.inf)
+    trainer = make_trainer(tmp_out, learning_rate=1e-4, warmup_steps=20, lr_scheduler_type="constant_with_warmup",
+                           **{**OUTER, "max_steps": 30})
+    scales = []
+
+    class Scale(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            scales.append(trainer._lr_autopilot.scale.scale)
+
+    trainer.add_callback(Scale())
+    assert train_noting_readings(trainer)[0] == 12
+    assert scales[10] == 1.0 and scales[11] == pytest.approx(30.0 if strongly else 4.0), scales
