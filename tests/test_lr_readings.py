@@ -150,6 +150,20 @@ def test_no_raise_starts_where_the_run_would_end_before_its_verdict(tmp_out, mon
     assert trainer._lr_autopilot.summary().endswith("--learning_rate 0.0001 stands.")
 
 
+def readings_and_scales_under_a_warmup(out, max_steps: int) -> tuple[list[int], list[float]]:
+    """A run at 1e-4 under a 20-step warmup, then constant: the steps that read the line, the scale after each step."""
+    trainer = make_trainer(out, learning_rate=1e-4, warmup_steps=20, lr_scheduler_type="constant_with_warmup",
+                           **{**OUTER, "max_steps": max_steps})
+    scales = []
+
+    class Scale(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            scales.append(trainer._lr_autopilot.scale.scale)
+
+    trainer.add_callback(Scale())
+    return train_noting_readings(trainer), scales
+
+
 @pytest.mark.parametrize("aligned", [False, True])
 def test_no_raise_starts_in_the_first_descent_just_after_the_warmup_unless_the_first_steps_read_aligned(
         tmp_out, monkeypatch, aligned):
@@ -162,16 +176,7 @@ def test_no_raise_starts_in_the_first_descent_just_after_the_warmup_unless_the_f
     peak's LR: 3x)."""
     monkeypatch.setattr("hf_hybrid.autopilot.scale.reach_of_line", lambda f0, f1, f2: 10.0 / SPACING)
     monkeypatch.setattr("hf_hybrid.autopilot.alignment.ALIGNED", -math.inf if aligned else math.inf)
-    trainer = make_trainer(tmp_out, learning_rate=1e-4, warmup_steps=20, lr_scheduler_type="constant_with_warmup",
-                           **{**OUTER, "max_steps": 70})
-    scales = []
-
-    class Scale(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            scales.append(trainer._lr_autopilot.scale.scale)
-
-    trainer.add_callback(Scale())
-    read_at = train_noting_readings(trainer)
+    read_at, scales = readings_and_scales_under_a_warmup(tmp_out, max_steps=70)
     # Inside the warmup and the first descent a raise under way is read at the usual pace, not RAISING_READ_EVERY.
     assert read_at[:3] == ([12, 22, 32] if aligned else [20, 30, 40]), read_at
     raised_at = 12 if aligned else 40
@@ -187,14 +192,6 @@ def test_a_strongly_aligned_run_takes_the_whole_long_line_at_its_first_raise(tmp
     monkeypatch.setattr("hf_hybrid.autopilot.scale.reach_of_line", lambda f0, f1, f2: 100.0 / SPACING)
     monkeypatch.setattr("hf_hybrid.autopilot.alignment.ALIGNED", -math.inf)
     monkeypatch.setattr("hf_hybrid.autopilot.alignment.STRONGLY_ALIGNED", -math.inf if strongly else math.inf)
-    trainer = make_trainer(tmp_out, learning_rate=1e-4, warmup_steps=20, lr_scheduler_type="constant_with_warmup",
-                           **{**OUTER, "max_steps": 30})
-    scales = []
-
-    class Scale(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            scales.append(trainer._lr_autopilot.scale.scale)
-
-    trainer.add_callback(Scale())
-    assert train_noting_readings(trainer)[0] == 12
+    read_at, scales = readings_and_scales_under_a_warmup(tmp_out, max_steps=30)
+    assert read_at[0] == 12
     assert scales[10] == 1.0 and scales[11] == pytest.approx(30.0 if strongly else 4.0), scales
