@@ -4,12 +4,15 @@ what it logs and names, and when it is off; the verdict's counterfactual (autopi
 from __future__ import annotations
 
 import logging
+import math
 
 import pytest
 import torch
+from transformers import TrainerCallback
 
+from hf_hybrid.autopilot.line import SPACING
 from hf_hybrid.autopilot.verdict import raise_gain
-from hf_hybrid.loop.forward_checks import probe_loss
+from hf_hybrid.loop.forward_checks import probe_loss, probe_loss_by_sequence
 from hf_hybrid.memory.snapshot import WeightSnapshot
 
 from .conftest import make_trainer
@@ -68,7 +71,8 @@ def test_a_raise_is_judged_against_where_the_users_lr_would_have_gone_and_the_we
     before = state(model)
     assert any(not torch.equal(p, w0) for p, w0 in zip(engine.params, start))
     scratch = WeightSnapshot()
-    gain, noise = raise_gain(trainer, model, engine.shards(), scratch, probe, snapshot, 3.0)
+    at_raised_weights = probe_loss_by_sequence(trainer, model, probe)  # as the reading's first forward reads them
+    gain, noise = raise_gain(trainer, model, engine.shards(), scratch, probe, snapshot, 3.0, at_raised_weights)
     assert_bit_identical(state(model), before)
     assert not scratch.valid and not engine.jump_open
     raised = float(probe_loss(trainer, model, probe))
@@ -88,15 +92,16 @@ def test_a_raise_is_undone_only_when_it_did_worse_by_more_than_the_noise(tmp_out
     autopilot.scale.trial_from = autopilot.scale.scale / 2
     asked = []
 
-    def scripted(trainer, model, shards, scratch, probe, undo_point, raise_):
+    def scripted(trainer, model, shards, scratch, probe, undo_point, raise_, raised):
         asked.append(raise_)
         return gain, noise
 
     monkeypatch.setattr("hf_hybrid.autopilot.runner.raise_gain", scripted)
-    assert autopilot._raise_paid() is kept  # the default margin: 2 standard errors
+    raised = (torch.tensor(4.0), None)
+    assert autopilot._raise_paid(raised) is kept  # the default margin: 2 standard errors
     assert asked == [pytest.approx(2.0)] and autopilot.last_verdict == (gain, noise)
     trainer._guard_loop.snapshot.invalidate()  # no undo point: nothing to judge against
-    assert autopilot._raise_paid() is False and len(asked) == 1
+    assert autopilot._raise_paid(raised) is False and len(asked) == 1
 
 
 def test_with_an_optimizer_it_cannot_read_it_is_off_and_says_why(tmp_out, caplog):
@@ -105,3 +110,35 @@ def test_with_an_optimizer_it_cannot_read_it_is_off_and_says_why(tmp_out, caplog
         trainer.train()
     assert trainer._lr_autopilot is None
     assert "it needs an Adam-family optimizer" in caplog.text
+
+
+def test_a_reading_that_judges_a_raise_reads_the_raised_weights_from_its_line(tmp_out, monkeypatch):
+    """A reading runs three probe forwards; one that also judges a raise runs one more (the user's LR's point), not
+    two: the raised point is the line's first. Every line reads 10 steps and the first steps read aligned, so the run
+    raises at its reading at step 12 and judges the raise at the next, at step 22."""
+    monkeypatch.setattr("hf_hybrid.autopilot.scale.reach_of_line", lambda f0, f1, f2: 10.0 / SPACING)
+    monkeypatch.setattr("hf_hybrid.autopilot.alignment.ALIGNED", -math.inf)
+    trainer = make_trainer(tmp_out, learning_rate=1e-4, warmup_steps=20, lr_scheduler_type="constant_with_warmup",
+                           **{**OUTER, "max_steps": 34})
+    forwards, verdicts = [0], {}
+    compute_loss = trainer.compute_loss
+
+    def counted(*args, **kwargs):
+        forwards[0] += 1
+        return compute_loss(*args, **kwargs)
+
+    class PerStep(TrainerCallback):
+        def __init__(self) -> None:
+            self.at_end = {}
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.at_end[state.global_step] = forwards[0]
+            verdicts[state.global_step] = trainer._lr_autopilot.last_verdict
+
+    monkeypatch.setattr(trainer, "compute_loss", counted)
+    trainer.add_callback(per_step := PerStep())
+    trainer.train()
+    added = {step: per_step.at_end[step] - per_step.at_end[step - 1] for step in (12, 13, 22)}
+    assert verdicts[22] is not None and verdicts[12] is None  # the trial was judged at step 22
+    # Step 13 trains and reads nothing (its one forward is the training step's).
+    assert added[12] - added[13] == 3 and added[22] - added[13] == 4, added

@@ -7,7 +7,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_hybrid.autopilot.line import SPACING, _move_along_next_step, _step_groups, next_step_line
-from hf_hybrid.loop.forward_checks import probe_loss
+from hf_hybrid.loop.forward_checks import probe_loss, probe_loss_by_sequence
 from hf_hybrid.memory.snapshot import WeightSnapshot
 
 from .conftest import make_trainer
@@ -22,10 +22,16 @@ def test_the_line_runs_along_adams_next_step_and_puts_the_weights_back(tmp_out):
     probe = trainer._lr_autopilot.probe
     before = state(model)
     scratch = WeightSnapshot()
-    f0, f1, f2 = (float(loss) for loss in next_step_line(trainer, model, engine.shards(), scratch, probe))
+    losses, rows = next_step_line(trainer, model, engine.shards(), scratch, probe)
+    f0, f1, f2 = (float(loss) for loss in losses)
     assert_bit_identical(state(model), before)
     assert not scratch.valid and not engine.jump_open
-    assert f0 == float(probe_loss(trainer, model, probe))
+    assert f0 == float(probe_loss(trainer, model, probe)) and rows is None
+    # Read by sequence (a reading that also judges a raise): the same line, and the rows the verdict would read at W.
+    losses, rows = next_step_line(trainer, model, engine.shards(), scratch, probe, by_sequence=True)
+    assert [float(loss) for loss in losses] == [f0, f1, f2]
+    assert_bit_identical(state(model), before)
+    assert torch.equal(rows, probe_loss_by_sequence(trainer, model, probe)[1])
     with torch.no_grad():  # 2 x SPACING of Adam's next step, weight decay aside, by its own formula
         for group in optimizer.param_groups:
             (beta1, beta2), lr = group["betas"], group["lr"]

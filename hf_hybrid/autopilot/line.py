@@ -9,14 +9,15 @@ twentieth of it (docs/benchmarks-history.md).
 
 Three forwards, two moves along the step and one copy of the weights (the jump's undo copy, which exists only while
 it is in use), made after the optimizer step, when the gradients it stands in for are freed; the weights come back
-bit for bit.
+bit for bit. At a reading that also judges a raise, the first forward keeps each sequence's loss at W: the verdict
+(autopilot/verdict.py) reads the raised weights from it instead of running that forward again.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..loop.forward_checks import probe_loss
+from ..loop.forward_checks import probe_loss, probe_loss_by_sequence
 from ..memory.shards import local_shard
 from ..memory.snapshot import WeightSnapshot
 
@@ -94,16 +95,19 @@ def _same_step_chunks(sizes: list[int], steps: list[float], bound: int) -> list[
 
 @torch.no_grad()
 def next_step_line(trainer, model: torch.nn.Module, shards: list[torch.Tensor], scratch: WeightSnapshot,
-                   probe: dict) -> list[torch.Tensor]:
-    """The probe's loss at the weights W, at W + c*step and at W + 2c*step (c = SPACING), unreduced across ranks.
+                   probe: dict, by_sequence: bool = False) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """The probe's loss at the weights W, at W + c*step and at W + 2c*step (c = SPACING), unreduced across ranks, and
+    with `by_sequence` each sequence's loss at W (else None; also None where the loss cannot be split by sequence).
     `shards` are the weights (local shards); `scratch` holds W meanwhile and is released after."""
     scratch.capture(shards)
     optimizer = trainer.hybrid_engine.optimizer  # the optimizer itself, unwrapped from accelerate's
     step_groups = _step_groups(optimizer, lists=shards[0].device.type != "cpu")
-    losses = [probe_loss(trainer, model, probe)]
+    start, rows = probe_loss_by_sequence(trainer, model, probe) if by_sequence else (probe_loss(trainer, model, probe),
+                                                                                     None)
+    losses = [start]
     for _ in range(2):
         _move_along_next_step(step_groups, SPACING)
         losses.append(probe_loss(trainer, model, probe))
     scratch.restore(shards)
     scratch.release()
-    return losses
+    return losses, rows

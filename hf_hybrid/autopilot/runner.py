@@ -37,13 +37,13 @@ from .verdict import raise_gain
 logger = logging.get_logger(__name__)
 
 # Real steps between two readings while a raise is asked for, judged or building up (a steady reach takes several
-# readings of a step or more): early enough to raise in the first tens of steps, where a too-small LR costs the most.
-# A reading costs three forwards (1.2-2.7 steps on a CPU; 68-117 ms against a 44 ms step at GPT-2 124M on a GPU), so
-# one that asks for nothing and leaves no steady reach within reach doubles the gap, without a bound: a tuned run
-# reads about log2(steps) times. Capped at 80 steps, the readings took 4.4% of a 600-step GPT-2 124M run on a GPU that
-# never raised (docs/benchmarks-history.md), and would take 2-3% of any longer one. Lines of 0-1 steps (tuned runs)
-# count as no line. The late raises on record in tuned runs (a steady reach at cpu-small's own LR) were undone by
-# their verdicts. The end line says what the readings cost.
+# readings of a step or more): early enough to raise in the first tens of steps, where a too-small LR costs the most. A
+# reading costs three forwards (1.2-2.7 steps on a CPU; 68-117 ms against a 44 ms step at GPT-2 124M on a GPU; one more
+# where it judges a raise), so one that asks for nothing and leaves no steady reach within reach doubles the gap,
+# without a bound: a tuned run reads about log2(steps) times. Capped at 80 steps, the readings took 4.4% of a 600-step
+# GPT-2 124M run on a GPU that never raised (docs/benchmarks-history.md), and would take 2-3% of any longer one. Lines
+# of 0-1 steps (tuned runs) count as no line. The late raises on record in tuned runs (a steady reach at cpu-small's own
+# LR) were undone by their verdicts. The end line says what the readings cost.
 READ_EVERY = 10
 # While a raise is under way past the warmup and the first descent (after a reading that raised or kept one, and while
 # one is on trial) the next reading comes sooner: from scratch the autopilot moves 2x a reading there, where Mechanic's
@@ -171,12 +171,13 @@ class LrAutopilot:
             had_rate = scale.last_loss is not None  # a first reading, or one after a rollback, asks for nothing yet
             trainer = self.trainer
             weights = trainer.hybrid_engine.shards()
-            line = trainer.reduce_across_ranks(*next_step_line(trainer, trainer.model_wrapped, weights, self.scratch,
-                                                               self.probe))
+            local, rows = next_step_line(trainer, trainer.model_wrapped, weights, self.scratch, self.probe,
+                                         by_sequence=scale.on_trial)
+            line = trainer.reduce_across_ranks(*local)
             self.last_line = tuple(line)
             decision = scale.reading(*line, spacing=SPACING, steps=step - self.last_reading,
                                      schedule_factor=self._schedule_factor(), frozen=self._frozen(),
-                                     trial_paid=scale.on_trial and self._raise_paid(),
+                                     trial_paid=scale.on_trial and self._raise_paid(raised=(local[0], rows)),
                                      aligned=self.alignment.aligned is True,
                                      strongly_aligned=self.alignment.strongly_aligned is True)
             self.last_reading = step
@@ -207,8 +208,9 @@ class LrAutopilot:
             torch.cuda.synchronize()
         return time.perf_counter()
 
-    def _raise_paid(self) -> bool:
-        """The verdict on the raise under trial (autopilot/verdict.py): undone when its steps did worse than the user's
+    def _raise_paid(self, raised: tuple[torch.Tensor, torch.Tensor | None]) -> bool:
+        """The verdict on the raise under trial (autopilot/verdict.py), given the probe's loss at the raised weights
+        and each sequence's, unreduced (the reading's first forward): undone when its steps did worse than the user's
         LR would have by more than the jumps' noise margin; an even result keeps it. Unlike a jump, a raise was asked
         for by evidence of its own (a line at least twice as long as the steps it aims for), and what it is worth
         accrues over hundreds of steps: on cpu-lora at a fifth of the swept LR the swept LR's lead on the probe grew by
@@ -219,7 +221,7 @@ class LrAutopilot:
         if not self.guard_loop.snapshot.valid:
             return False
         gain, noise = raise_gain(trainer, trainer.model_wrapped, trainer.hybrid_engine.shards(), self.scratch,
-                                 self.probe, self.guard_loop.snapshot, self.scale.trial_raise)
+                                 self.probe, self.guard_loop.snapshot, self.scale.trial_raise, raised)
         self.last_verdict = (gain, noise)
         return gain + trainer.hybrid_config.jumps.checks.probe_noise_margin * noise >= 0
 

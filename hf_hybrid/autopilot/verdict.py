@@ -11,8 +11,9 @@ before the raise, would not do: early in a run that falls several times over wha
 the swept LR, plain Trainer: 0.0164 per step over steps 20-40, 0.0027 over 40-60), so a raise that paid would be
 undone (docs/benchmarks-history.md).
 
-Two forwards and one copy of the weights (the jump's undo copy, free outside a jump), once per trial; under DDP the
-undo point's weights are broadcast from rank 0, which alone keeps them.
+One forward and one copy of the weights (the jump's undo copy, free outside a jump), once per trial: the probe at the
+raised weights is the first forward of the same reading's line (autopilot/line.py). Under DDP the undo point's weights
+are broadcast from rank 0, which alone keeps them.
 """
 
 from __future__ import annotations
@@ -43,12 +44,14 @@ def _move_toward_undo_point(shards: list[torch.Tensor], undo_point: TrainingSnap
 
 @torch.no_grad()
 def raise_gain(trainer: HybridTrainer, model: torch.nn.Module, shards: list[torch.Tensor], scratch: WeightSnapshot,
-               probe: dict, undo_point: TrainingSnapshot, raise_: float) -> tuple[float, float]:
+               probe: dict, undo_point: TrainingSnapshot, raise_: float,
+               raised: tuple[torch.Tensor, torch.Tensor | None]) -> tuple[float, float]:
     """The probe's loss where the user's LR would have taken the weights, minus its loss at the raised weights
     (positive: the raise paid), and the standard error of that difference; both over every rank's probe. `shards` are
-    the weights (local shards); `scratch` holds them meanwhile and is released after."""
+    the weights (local shards); `raised` is the probe's loss at them and each sequence's, unreduced across ranks, as
+    `probe_loss_by_sequence` reads them; `scratch` holds the weights meanwhile and is released after."""
+    raised, raised_rows = raised
     scratch.capture(shards)
-    raised, raised_rows = probe_loss_by_sequence(trainer, model, probe)
     _move_toward_undo_point(shards, undo_point, raise_)
     user, user_rows = probe_loss_by_sequence(trainer, model, probe)
     scratch.restore(shards)
