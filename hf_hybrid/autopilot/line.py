@@ -102,8 +102,10 @@ def next_step_line(trainer, model: torch.nn.Module, shards: list[torch.Tensor], 
     scratch.capture(shards)
     optimizer = trainer.hybrid_engine.optimizer  # the optimizer itself, unwrapped from accelerate's
     step_groups = _step_groups(optimizer, lists=shards[0].device.type != "cpu")
-    start, rows = probe_loss_by_sequence(trainer, model, probe) if by_sequence else (probe_loss(trainer, model, probe),
-                                                                                     None)
+    if by_sequence:
+        start, rows = probe_loss_by_sequence(trainer, model, probe)
+    else:
+        start, rows = probe_loss(trainer, model, probe), None
     losses = [start]
     for _ in range(2):
         _move_along_next_step(step_groups, SPACING)
