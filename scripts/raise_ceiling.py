@@ -6,10 +6,11 @@ switched there recovers bounds what any rule of readings can recover in that set
     python scripts/raise_ceiling.py --settings scratch-2x128-docs-constant,finetune-docs-linear \
         --out docs/reports/issue49-raise-ceiling.json
 
-Per setting (its sweep's report in docs/survey/ gives the user's and the swept LR and the two Trainers' evaluations):
-the plain Trainer at the user's LR, its schedule's base LRs multiplied by swept / user at each `--at` step (default:
-where the first raise may start, and one reading later), evaluated where the sweep's runs were; G in updates as
-survey.py computes it, to the user-LR Trainer's final loss.
+Per setting (its run at the user's LR in docs/survey/, `NAME-user-seed0.json`, gives the user's and the swept LR and
+the two Trainers' evaluations, early ones included): the plain Trainer at the user's LR, its schedule's base LRs
+multiplied by swept / user (or `--scale`) at each `--at` step (default: where the first raise may start, and one
+reading later), evaluated where that report's runs were; G in updates as survey.py computes it, to the user-LR
+Trainer's final loss.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ import json
 import math
 from pathlib import Path
 
+from arms import early_evaluations
 from model_and_data import build_model_and_data, plain_training_args
 from presets import PRESETS
 from report import UPDATES, time_to
-from survey import user_and_swept_lr
 
 from hf_hybrid.autopilot.runner import FIRST_DESCENT_STEPS, READ_EVERY
 
@@ -34,7 +35,7 @@ def switched_run(preset: dict, user: float, scale: float, at: int, out_dir: str)
 
     model, datasets, eval_set = build_model_and_data(preset, 0)
     args = plain_training_args(preset, user, out_dir, eval_strategy="steps", eval_steps=preset["eval_steps"],
-                               per_device_eval_batch_size=max(preset["batch_size"], 16))
+                               per_device_eval_batch_size=max(preset["batch_size"], 16), eval_on_start=True)
     evals: list[list[float]] = []
 
     class Switch(TrainerCallback):
@@ -50,6 +51,7 @@ def switched_run(preset: dict, user: float, scale: float, at: int, out_dir: str)
 
     trainer = Trainer(model=model, args=args, train_dataset=datasets["train"], eval_dataset=eval_set,
                       callbacks=[Switch()])
+    trainer.add_callback(early_evaluations(trainer, preset["early_eval_steps"]))
     trainer.train()
     return evals
 
@@ -66,27 +68,28 @@ def main() -> None:
     parser.add_argument("--settings", required=True, help="comma-separated survey settings with a sweep report")
     parser.add_argument("--at", default="", help="comma-separated steps (default: the first a raise may start "
                                                  "at, and one reading later)")
+    parser.add_argument("--scale", type=float, default=0.0, help="the multiplier switched to (default: swept / user)")
     parser.add_argument("--reports", default=str(Path(__file__).resolve().parent.parent / "docs" / "survey"))
     parser.add_argument("--out", default="runs/raise-ceiling.json")
     args = parser.parse_args()
     rows = []
     for name in args.settings.split(","):
         preset = PRESETS[f"survey-{name}"]
-        user, swept = user_and_swept_lr(name, Path(args.reports))
-        sweep = {r["learning_rate"]: r for r in json.loads((Path(args.reports) / f"{name}-sweep-seed0.json")
-                                                           .read_text())["runs"]}
-        user = min(sweep, key=lambda lr: abs(math.log(lr / user)))  # a tenth of the swept, as the grid spells it
-        base, best = sweep[user]["evals"], sweep[swept]["evals"]
-        target = sweep[user]["final_eval_loss"]
+        report = json.loads((Path(args.reports) / f"{name}-user-seed0.json").read_text())
+        user, swept = report["learning_rate"], report["swept_learning_rate"]
+        base, best = report["baseline"][0]["evals"], report["swept"][0]["evals"]
+        target = report["target_eval_loss"]
+        scale = args.scale or swept / user
         first = preset["warmup_steps"] + FIRST_DESCENT_STEPS
         for at in [int(a) for a in args.at.split(",")] if args.at else [first, first + READ_EVERY]:
-            evals = switched_run(preset, user, swept / user, at, f"runs/raise-ceiling/{name}-{at}")
+            evals = switched_run(preset, user, scale, at, f"runs/raise-ceiling/{name}-{at}")
             row = {"setting": name, "half": preset["half"], "learning_rate": user, "swept_learning_rate": swept,
-                   "switched_at": at, "target": target, "g_updates": g_in_updates(base, evals, best, target),
+                   "scale": scale, "switched_at": at, "target": target,
+                   "g_updates": g_in_updates(base, evals, best, target),
                    "updates_to_target": time_to(evals, target, UPDATES), "final_eval_loss": evals[-1][2],
                    "evals": evals}
             rows.append(row)
-            print(f"{name}: switched to {swept:g} at step {at}: G in updates {row['g_updates']:.2f}, "
+            print(f"{name}: switched to {user * scale:g} at step {at}: G in updates {row['g_updates']:.2f}, "
                   f"{row['updates_to_target']} updates to {target:.4f}, final {row['final_eval_loss']:.4f}",
                   flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
