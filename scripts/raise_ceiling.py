@@ -65,7 +65,8 @@ def g_in_updates(base: list, arm: list, best: list, target: float) -> float | No
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--settings", required=True, help="comma-separated survey settings with a sweep report")
+    parser.add_argument("--settings", required=True,
+                        help="comma-separated survey settings with a run at the user's LR in --reports")
     parser.add_argument("--at", default="", help="comma-separated steps (default: the first a raise may start "
                                                  "at, and one reading later)")
     parser.add_argument("--scale", type=float, default=0.0, help="the multiplier switched to (default: swept / user)")
