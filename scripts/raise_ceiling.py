@@ -3,8 +3,8 @@ switches the user's schedule to it, all at once, at a given step. No raise of th
 warmup or the FIRST_DESCENT_STEPS after it, and the first needs two readings READ_EVERY steps apart, so what an oracle
 switched there recovers bounds what any rule of readings can recover in that setting.
 
-    python scripts/raise_ceiling.py --settings scratch-2x128-docs-constant,finetune-docs-linear \
-        --out docs/reports/issue49-raise-ceiling.json
+    python scripts/raise_ceiling.py --settings finetune-docs-linear,finetune-docs-constant-batch16 --at 10,16 \
+        --scale 32 --out docs/reports/issue49-raise-ceiling-finetunes-32x.json
 
 Per setting (its run at the user's LR in docs/survey/, `NAME-user-seed0.json`, gives the user's and the swept LR and
 the two Trainers' evaluations, early ones included): the plain Trainer at the user's LR, its schedule's base LRs
