@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from environment import environment
 from model_and_data import build_model_and_data
 from transformers import TrainerCallback
 
@@ -215,7 +216,8 @@ def main(args, preset: dict) -> None:
     clean = arms["trainer-clean"]["final_eval_loss"]
     report = {"preset": args.preset, "seed": args.seed, "max_steps": preset["max_steps"], "faults": kinds,
               "plan": plan.describe(), "arms": arms,
-              "damage": {arm: r["final_eval_loss"] - clean for arm, r in arms.items() if arm != "trainer-clean"}}
+              "damage": {arm: r["final_eval_loss"] - clean for arm, r in arms.items() if arm != "trainer-clean"},
+              "environment": environment()}
     root.mkdir(parents=True, exist_ok=True)
     (root / "report.json").write_text(json.dumps(report, indent=2))
     print_table(report)

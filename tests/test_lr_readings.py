@@ -185,6 +185,17 @@ def test_no_raise_starts_in_the_first_descent_just_after_the_warmup_unless_the_f
         assert scales[raised_at - 1] == pytest.approx(3.0)
 
 
+def test_a_run_whose_first_steps_read_opposed_reads_its_lines_and_never_raises(tmp_out, monkeypatch):
+    """Every line reads 10 steps, as in the test above, where a run that reads neither aligned nor opposed raises at
+    step 40; one whose first steps read opposed (autopilot/alignment.py) reads at the same steps and keeps the user's
+    LR at every one."""
+    monkeypatch.setattr("hf_hybrid.autopilot.scale.reach_of_line", lambda f0, f1, f2: 10.0 / SPACING)
+    monkeypatch.setattr("hf_hybrid.autopilot.alignment.ALIGNED", math.inf)
+    monkeypatch.setattr("hf_hybrid.autopilot.alignment.OPPOSED", math.inf)
+    read_at, scales = readings_and_scales_under_a_warmup(tmp_out / "hybrid", max_steps=70)
+    assert read_at[:3] == [20, 30, 40] and set(scales) == {1.0}, (read_at, scales)
+
+
 @pytest.mark.parametrize("strongly", [False, True])
 def test_a_strongly_aligned_run_takes_the_whole_long_line_at_its_first_raise(tmp_out, monkeypatch, strongly):
     """Every line reads 100 steps (60 at step 12, 0.6 of the warmup's peak: 30x asked for). An aligned run raises 4x

@@ -8,7 +8,7 @@ import torch
 from transformers import TrainerCallback
 
 from hf_hybrid import HybridHFTrainer
-from hf_hybrid.autopilot.alignment import ALIGNED, FIRST_STEP, LAST_STEP, STRONGLY_ALIGNED
+from hf_hybrid.autopilot.alignment import ALIGNED, FIRST_STEP, LAST_STEP, OPPOSED, STRONGLY_ALIGNED
 from hf_hybrid.autopilot.scale import MAX_ALIGNED_RAISE, MAX_RAISE, MAX_SCALE, MAX_STRONGLY_ALIGNED_RAISE, LrScale
 
 from .conftest import hybrid_args, make_trainer, tiny_gpt2, token_dataset
@@ -51,6 +51,7 @@ def test_the_alignment_is_the_gradients_cosine_with_the_way_come_negated_over_it
     assert trainer.hybrid_stats()["lr_start_alignment"] == pytest.approx(sum(window) / len(window), abs=1e-5)
     assert alignment.count == len(window) and alignment.aligned == (alignment.mean >= ALIGNED)
     assert alignment.strongly_aligned == (alignment.mean >= STRONGLY_ALIGNED)
+    assert alignment.opposed == (alignment.mean < OPPOSED) and alignment.opposed is not alignment.aligned
     assert not alignment.start.valid and alignment.start.tensors is None  # the start's copy is gone after the window
 
 
@@ -79,6 +80,28 @@ def test_an_aligned_run_raises_on_one_long_reading_by_up_to_4x_a_strongly_aligne
     # A steady reach (a median of 1.5 steps: 3x asked for) is the noisy evidence: 2x at most, aligned or not.
     steady = LrScale(last_loss=5.0, recent=(1.5, 1.5))
     assert aligned_read(steady, 4.9, bottom=1.5) == "raise" and steady.scale == MAX_RAISE
+
+
+def test_a_run_whose_first_steps_read_opposed_never_raises_whatever_its_lines_read():
+    """Two long lines in a row, or a steady reach, ask for a raise; a run whose gradient pointed back along the way it
+    had come over its first steps (its steps overshoot) takes none, and its readings still hold the jumps back."""
+    def opposed_read(s: LrScale, loss: float, bottom: float, opposed: bool) -> str | None:
+        return s.reading(*line(loss, bottom), spacing=4.0, steps=10, schedule_factor=1.0, frozen=False,
+                         opposed=opposed)
+
+    for opposed in (False, True):
+        twice, steady = LrScale(), LrScale(last_loss=5.0, recent=(1.5, 1.5))
+        decisions = [opposed_read(twice, 5.0, bottom=12.0, opposed=opposed),
+                     opposed_read(twice, 4.9, bottom=12.0, opposed=opposed),
+                     opposed_read(steady, 4.9, bottom=1.5, opposed=opposed)]
+        if opposed:
+            assert decisions == [None, None, None] and twice.scale == steady.scale == 1.0
+            assert not twice.on_trial and not steady.on_trial
+        else:
+            assert decisions == [None, "raise", "raise"] and twice.scale == MAX_RAISE == steady.scale
+    quiet = LrScale()
+    opposed_read(quiet, 5.0, bottom=1.0, opposed=True)
+    assert quiet.steps_long_enough
 
 
 def line(loss: float, bottom: float) -> tuple[float, float, float]:

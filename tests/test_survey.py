@@ -67,8 +67,7 @@ def test_a_setting_is_swept_then_run_at_a_tenth_of_its_swept_lr(tmp_path):
     assert json.loads((tmp_path / "table.json").read_text()) == []
 
 
-def test_only_reports_whose_hybrid_runs_read_below_the_strong_gate_tried_no_raise_or_were_measured_again_are_carried(
-        tmp_path):
+def test_only_reports_whose_hybrid_runs_read_not_opposed_tried_no_raise_or_were_measured_again_are_carried(tmp_path):
     import carry_reports
 
     def write(name: str, report: dict) -> Path:
@@ -78,20 +77,20 @@ def test_only_reports_whose_hybrid_runs_read_below_the_strong_gate_tried_no_rais
     def stats(alignment: float, kept: int, undone: int = 0) -> dict:
         return {"hybrid_stats": {"lr_start_alignment": alignment, "lr_raises_kept": kept, "lr_trials_undone": undone}}
 
-    old = {"behaviour_version": 6, "behaviour_carried": {"from": 5}}
+    old = {"behaviour_version": 7, "behaviour_carried": {"from": 6}}
 
     def user(name: str, run: dict) -> Path:
         return write(name, {"learning_rate": 1e-4, "environment": dict(old), "hybrid": [run]})
 
-    below_gate = user("a-user-seed0.json", stats(0.12, 3))
-    aligned = user("a-user-seed1.json", stats(0.3, 2))
-    undone = user("b-user-seed0.json", stats(0.4, 0, 1))
-    never_raised = user("b-user-seed1.json", stats(0.3, 0))
+    not_opposed = user("a-user-seed0.json", stats(0.0, 3))
+    opposed = user("a-user-seed1.json", stats(-0.02, 1))
+    undone = user("b-user-seed0.json", stats(-0.01, 0, 1))
+    never_raised = user("b-user-seed1.json", stats(-0.05, 0))
     checked_again = write("a-hybrid-seed0.json", {"arm": "hybrid", "environment": dict(old), "runs": [
-        {"learning_rate": 1e-4, **stats(0.4, 3), "environment": {"behaviour_version": 7}},
+        {"learning_rate": 1e-4, **stats(-0.06, 1), "environment": {"behaviour_version": 8}},
         {"learning_rate": 1e-3, **stats(0.02, 1)}]})
     stale = write("b-hybrid-seed0.json", {"arm": "hybrid", "environment": dict(old), "runs": [
-        {"learning_rate": 1e-4, **stats(0.4, 1)}, {"learning_rate": 1e-3, **stats(0.02, 0)}]})
+        {"learning_rate": 1e-4, **stats(-0.06, 1)}, {"learning_rate": 1e-3, **stats(0.02, 0)}]})
     sweep = write("a-sweep-seed0.json", {"arm": "baseline", "environment": dict(old), "runs": []})
     argv = sys.argv
     try:
@@ -100,11 +99,11 @@ def test_only_reports_whose_hybrid_runs_read_below_the_strong_gate_tried_no_rais
     finally:
         sys.argv = argv
     version = {p.name: json.loads(p.read_text())["environment"]["behaviour_version"]
-               for p in (below_gate, aligned, undone, never_raised, checked_again, stale, sweep)}
-    assert version == {"a-user-seed0.json": 7, "a-user-seed1.json": 6, "b-user-seed0.json": 6, "b-user-seed1.json": 7,
-                       "a-hybrid-seed0.json": 7, "b-hybrid-seed0.json": 6, "a-sweep-seed0.json": 6}
-    carried = json.loads(below_gate.read_text())["environment"]["behaviour_carried"]
-    assert carried["from"] == 6 and carried["earlier"] == {"from": 5}
+               for p in (not_opposed, opposed, undone, never_raised, checked_again, stale, sweep)}
+    assert version == {"a-user-seed0.json": 8, "a-user-seed1.json": 7, "b-user-seed0.json": 7, "b-user-seed1.json": 8,
+                       "a-hybrid-seed0.json": 8, "b-hybrid-seed0.json": 7, "a-sweep-seed0.json": 7}
+    carried = json.loads(not_opposed.read_text())["environment"]["behaviour_carried"]
+    assert carried["from"] == 7 and carried["earlier"] == {"from": 6}
 
 
 def test_a_run_of_the_hybrid_alone_carries_the_peers_from_the_kept_report_and_says_so():

@@ -17,9 +17,10 @@ way"). The alignment does not ask for a raise: the line (autopilot/scale.py) sti
 reading is enough, not two in a row, and the raise may be up to MAX_ALIGNED_RAISE, and it may come as soon as the window
 closes, inside the schedule's warmup (a run that reads below the gate waits for the warmup's end + 10 steps, past its
 first descent); the verdict judges it as any other. So a LoRA run at a good LR, aligned but reading a short line, is not
-raised. Measured on the tuning half (docs/benchmarks.md, "Raising inside the warmup"): at 5e-5 with a 10- and a 20-step
-warmup, G 0.64 -> 0.75 and 0.73 -> 0.84 in updates; at the swept LR of the LoRA setting, which reads aligned, a 2.3x
-raise ended 0.031 below the Trainer.
+raised. Measured on the tuning half (docs/benchmarks.md, "Raising inside the warmup"): at 5e-5 with a 10- and a
+20-step warmup, G 0.64 -> 0.75 and 0.73 -> 0.84 in updates; at the swept LR of the LoRA setting, which reads aligned,
+a 2.3x raise ended 0.031 below the Trainer. A run whose mean reads below OPPOSED starts no raise at all: its steps
+already overshoot.
 
 Costs one copy of the weights from the first update to LAST_STEP, then released: in pinned host memory on an
 accelerator, so that it adds nothing to the device's peak in the steps that also take the guard's first snapshots, and
@@ -43,6 +44,10 @@ ALIGNED = 0.07
 # LoRA reads 0.29-0.46 up to its swept LR, full fine-tunes 0.12 at most and runs from scratch 0.09 at most, on the
 # tuning half: between them, a run whose raise may take the line's whole size (autopilot/scale.py).
 STRONGLY_ALIGNED = 0.2
+# Below this the gradient pointed back along the way already come, on average over the window: the steps overshoot
+# what they descend, the opposite of steps too short, so no raise starts whatever the lines read later. Read only at
+# and above a setting's swept LR (docs/benchmarks.md, "No raise where the first steps read opposed").
+OPPOSED = 0.0
 
 
 class StartAlignment:
@@ -111,6 +116,11 @@ class StartAlignment:
     def strongly_aligned(self) -> bool | None:
         """None until the window has closed."""
         return self.count > 0 and self.mean >= STRONGLY_ALIGNED if self.closed else None
+
+    @property
+    def opposed(self) -> bool | None:
+        """None until the window has closed."""
+        return self.count > 0 and self.mean < OPPOSED if self.closed else None
 
     def state_dict(self) -> dict:
         return {"window": list(self._sums()), "closed": self.closed, "start": self.start.state_dict()}

@@ -179,7 +179,8 @@ class LrAutopilot:
                                      schedule_factor=self._schedule_factor(), frozen=self._frozen(),
                                      trial_paid=scale.on_trial and self._raise_paid(raised=(local[0], rows)),
                                      aligned=self.alignment.aligned is True,
-                                     strongly_aligned=self.alignment.strongly_aligned is True)
+                                     strongly_aligned=self.alignment.strongly_aligned is True,
+                                     opposed=self.alignment.opposed is True)
             self.last_reading = step
             busy = decision in ("raise", "keep") or scale.on_trial or not had_rate or scale.evidence_building
             raising = decision in ("raise", "keep") or scale.on_trial

@@ -42,7 +42,8 @@ every jump came after such a reading, and the kept ones ended runs above the Tra
 jumping. No raise starts in the schedule's warmup or the 10 steps after it (a run's first descent reads long at any LR),
 unless the run's first steps read aligned, which tells its LR apart where the line cannot: then from the alignment's
 last step on, inside the warmup. Nor once the schedule has decayed below half its peak (the final decay is the user's),
-or where the run would end before its verdict.
+or where the run would end before its verdict, nor ever in a run whose first steps read opposed (the gradient pointing
+back along the way come: its steps overshoot).
 """
 
 from __future__ import annotations
@@ -100,11 +101,12 @@ class LrScale:
 
     def reading(self, f0: float, f1: float, f2: float, spacing: float, steps: int, schedule_factor: float,
                 frozen: bool, trial_paid: bool = False, aligned: bool = False,
-                strongly_aligned: bool = False) -> str | None:
+                strongly_aligned: bool = False, opposed: bool = False) -> str | None:
         """One reading, `steps` real steps after the last; `frozen`: no raise may start now (the schedule's warmup or
         final decay); `trial_paid`: on a trial, the verdict on the raise; `aligned`: the run's first steps said its LR
         is far too small (autopilot/alignment.py), so one long line asks for a raise, of up to MAX_ALIGNED_RAISE, or
-        MAX_STRONGLY_ALIGNED_RAISE where they said it `strongly_aligned`.
+        MAX_STRONGLY_ALIGNED_RAISE where they said it `strongly_aligned`; `opposed`: they said its steps overshoot, so
+        no raise starts at all.
         Returns what the trainer must do: "raise", "keep" (a trial passed; the scale may have risen again), "undo"
         (restore the undo point: the scale is already back), or None."""
         self.readings += 1
@@ -138,7 +140,7 @@ class LrScale:
                      min(steady / STEADY_TARGET, MAX_RAISE) if steady >= STEADY_REACH else 0.0)
         factor = min(wanted, MAX_SCALE / self.scale)
         progress = rate > 0 if rate is not None else aligned
-        if progress and not self.wait and factor > 1.0:
+        if progress and not self.wait and factor > 1.0 and not opposed:
             self.trial_from, self.trial_loss, self.recent = self.scale, f0, ()
             self.scale *= factor
             self.previous = reach / factor
