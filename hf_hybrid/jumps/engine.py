@@ -53,8 +53,9 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
                              "pass --hybrid false.")
         self.config, self.params, self.optimizer = config, params, optimizer
         self.placement = placement or CopyPlacement(share=0.0)  # the rollback copies': predictor's and guard's
-        self.predictor = PREDICTORS[config.predictor.name](params, optimizer, placement=self.placement,
-                                                           **config.predictor.predictor_kwargs())
+        predictor = PREDICTORS[config.predictor.name]
+        placed = {"placement": self.placement} if predictor.placed else {}
+        self.predictor = predictor(params, optimizer, **placed, **config.predictor.predictor_kwargs())
         self.controller = PhaseController(replace(config.schedule, **self.predictor.controller_settings()))
         checks = config.checks
         self.monitor = DivergenceMonitor(checks.loss_band, grad_explosion_factor=checks.grad_explosion_factor)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...memory.placement import CopyPlacement
 from ...memory.shards import local_shard
 from .base import StepwisePredictor
 
@@ -20,9 +19,8 @@ class AdamPredictor(StepwisePredictor):
     name = "adam"
     uses_updates = False
 
-    def __init__(self, params: list[Tensor], optimizer: torch.optim.Optimizer,
-                 placement: CopyPlacement | None = None) -> None:
-        super().__init__(params, optimizer, placement)
+    def __init__(self, params: list[Tensor], optimizer: torch.optim.Optimizer) -> None:
+        super().__init__(params, optimizer)
         self.groups = {}
         for group in optimizer.param_groups:
             for p in group["params"]:

@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ...memory.placement import CopyPlacement
 from ...memory.shards import local_shard
 
 # The flags of the multi-step Predict/Correct schedule and its checks, read by the predictors that run it.
@@ -46,13 +45,14 @@ class Predictor(ABC):
     # the engine does not measure updates at all, so a run whose jumps keep being rejected (long back-off) or a long
     # warmup does not pay for them; the predictor is restarted when its window opens.
     history_steps: int | None = None
+    # Whether it keeps copies of the weights between steps that only a jump reads, and so takes the run's rollback
+    # copies' placement (memory/placement.py) for them. A stepwise predictor's buffer is read and written at every
+    # real step, so it stays beside the parameters.
+    placed: ClassVar[bool] = False
 
-    def __init__(self, params: list[Tensor], optimizer: torch.optim.Optimizer,
-                 placement: CopyPlacement | None = None) -> None:
+    def __init__(self, params: list[Tensor], optimizer: torch.optim.Optimizer) -> None:
         self.params = params
         self.optimizer = optimizer
-        # Where copies of the parameters that it keeps between steps go (the run's rollback copies' placement).
-        self.placement = placement or CopyPlacement(share=0.0)
         self.observed = 0
         self.last_residual: float | None = None  # a stepwise predictor's last Correct-step residual
         self.shard_groups = _shard_groups(params)
@@ -129,9 +129,8 @@ class StepwisePredictor(Predictor):
     gain_smoothing: ClassVar[float] = 0.3
     max_gain: ClassVar[float] = 2.0
 
-    def __init__(self, params: list[Tensor], optimizer: torch.optim.Optimizer,
-                 placement: CopyPlacement | None = None) -> None:
-        super().__init__(params, optimizer, placement)
+    def __init__(self, params: list[Tensor], optimizer: torch.optim.Optimizer) -> None:
+        super().__init__(params, optimizer)
         self.gains = torch.ones(len(params), dtype=torch.float64)
 
     @abstractmethod

@@ -44,10 +44,12 @@ class OuterMomentumPredictor(Predictor):
     flags = ("hybrid_outer_period", "hybrid_outer_lr", "hybrid_outer_momentum")
     uses_updates = False
     uses_forecast = False  # the period schedules its jumps and the probe judges them
+    placed = True  # the anchor and the momentum
 
     def __init__(self, params: list[Tensor], optimizer: torch.optim.Optimizer, period: int, outer_lr: float,
                  momentum: float, placement: CopyPlacement | None = None) -> None:
-        super().__init__(params, optimizer, placement)
+        super().__init__(params, optimizer)
+        self.placement = placement or CopyPlacement(share=0.0)
         self.period, self.outer_lr, self.momentum = period, outer_lr, momentum
         # Under DDP every rank holds the same weights, so rank 0 alone keeps the outer state and computes each jump,
         # which it broadcasts: 2x the parameters per job instead of per rank (FSDP2: each rank its shards).

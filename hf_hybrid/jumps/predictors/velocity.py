@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...memory.placement import CopyPlacement
 from ...memory.shards import load_tensors, local_shard
 from .base import StepwisePredictor
 
@@ -19,9 +18,8 @@ class VelocityPredictor(StepwisePredictor):
     name = "velocity"
     flags = (*StepwisePredictor.flags, "hybrid_velocity_beta")
 
-    def __init__(self, params: list[Tensor], optimizer: torch.optim.Optimizer, beta: float,
-                 placement: CopyPlacement | None = None) -> None:
-        super().__init__(params, optimizer, placement)
+    def __init__(self, params: list[Tensor], optimizer: torch.optim.Optimizer, beta: float) -> None:
+        super().__init__(params, optimizer)
         self.beta = beta
         self.velocity = [torch.zeros_like(local_shard(p)) for p in params]
         # After 2/(1-beta) updates the average has 87% of its weight on them; older ones add little.
