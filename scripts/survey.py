@@ -7,9 +7,10 @@ arm at the LR a user types beside the Trainer at the swept LR, and G, the share 
     python scripts/survey.py check scratch-2x128-docs-constant            # the hybrid from the user's LR to the swept
     python scripts/survey.py table --half tune                             # G per setting and arm
 
-Reports are kept in docs/survey/ (`--reports`): NAME-sweep-seed0.json, NAME-user-seedS.json and
-NAME-hybrid-seed0.json (`check`: the hybrid alone at each grid LR from the user's to about 3x the swept, against the
-sweep's Trainer at the same LR: never worse is the goal). The tuning half is
+Reports are kept in docs/survey/ (`--reports`): NAME-sweep-seedS.json, NAME-user-seedS.json and
+NAME-hybrid-seedS.json (`check`: the hybrid alone at each grid LR from the user's to about 3x the swept, against the
+same seed's Trainer at the same LR: never worse is the goal). Seed 0's sweep names the swept LR; another seed's sweep
+and check run at the LRs named (`--seed 1 --learning_rates ...`). The tuning half is
 read while choosing gates, caps and cadences; the report half only once they are fixed.
 """
 
@@ -44,10 +45,10 @@ def benchmark(*args: str) -> None:
 def sweep(name: str, args) -> None:
     grid = args.learning_rates or ",".join(f"{lr:g}" for lr in settings()[name]["grid"])
     out = Path(args.work) / name
-    benchmark("--preset", f"survey-{name}", "--mode", "sweep", "--learning_rates", grid, "--seed", "0",
+    benchmark("--preset", f"survey-{name}", "--mode", "sweep", "--learning_rates", grid, "--seed", str(args.seed),
               *_steps(args), "--output_dir", str(out))
-    keep(out / f"survey-{name}-sweep" / "sweep-baseline.json", Path(args.reports) / f"{name}-sweep-seed0.json",
-         merge=bool(args.learning_rates))
+    keep(out / f"survey-{name}-sweep" / "sweep-baseline.json",
+         Path(args.reports) / f"{name}-sweep-seed{args.seed}.json", merge=bool(args.learning_rates))
 
 
 def keep(new: Path, kept: Path, merge: bool) -> None:
@@ -113,27 +114,28 @@ def check(name: str, args) -> None:
     user, swept = user_and_swept_lr(name, reports)
     grid = [lr for lr in settings()[name]["grid"] if user * 0.99 <= lr <= swept * 3.5]
     out = Path(args.work) / name
-    benchmark("--preset", f"survey-{name}", "--mode", "sweep", "--sweep_arm", "hybrid", "--seed", "0",
+    benchmark("--preset", f"survey-{name}", "--mode", "sweep", "--sweep_arm", "hybrid", "--seed", str(args.seed),
               "--learning_rates", args.learning_rates or ",".join(f"{lr:g}" for lr in grid), *_steps(args),
               *(["--set", *args.set] if args.set else []), "--output_dir", str(out))
-    keep(out / f"survey-{name}-sweep" / "sweep-hybrid.json", reports / f"{name}-hybrid-seed0.json",
+    keep(out / f"survey-{name}-sweep" / "sweep-hybrid.json", reports / f"{name}-hybrid-seed{args.seed}.json",
          merge=bool(args.learning_rates))
-    print_check(name, reports)
+    print_check(name, reports, args.seed)
 
 
-def print_check(name: str, reports: Path) -> list[dict]:
-    """Per LR: the Trainer's final loss (the sweep), the hybrid's, the difference and the scale the hybrid ended on;
-    and G in updates where the Trainer ran at that LR and at the swept one, from the same evaluations."""
-    sweep_runs = json.loads((reports / f"{name}-sweep-seed0.json").read_text())
-    trainer = {r["learning_rate"]: r for r in sweep_runs["runs"]}
-    swept = trainer[sweep_runs["best_learning_rate"]]
+def print_check(name: str, reports: Path, seed: int = 0) -> list[dict]:
+    """Per LR: the Trainer's final loss (the same seed's sweep), the hybrid's, the difference and the scale the hybrid
+    ended on; and G in updates where the Trainer ran at that LR and at the swept one (seed 0's best), from the same
+    evaluations. A seed other than 0 needs its own sweep at the LRs checked: `sweep NAME --seed S --learning_rates`."""
+    trainer = {r["learning_rate"]: r
+               for r in json.loads((reports / f"{name}-sweep-seed{seed}.json").read_text())["runs"]}
+    swept = trainer.get(user_and_swept_lr(name, reports)[1])
     rows = []
-    for run in json.loads((reports / f"{name}-hybrid-seed0.json").read_text())["runs"]:
+    for run in json.loads((reports / f"{name}-hybrid-seed{seed}.json").read_text())["runs"]:
         lr, final, plain = run["learning_rate"], run["final_eval_loss"], trainer.get(run["learning_rate"])
         row = {"learning_rate": lr, "trainer": plain and plain["final_eval_loss"], "hybrid": final,
                "difference": final - plain["final_eval_loss"] if plain else None,
                "lr_scale": (run.get("hybrid_stats") or {}).get("lr_scale"), "g_updates": None}
-        if plain and swept is not plain:
+        if plain and swept is not None and swept is not plain:
             target = plain["final_eval_loss"]
             base, arm, best = (time_to(r["evals"], target, UPDATES) for r in (plain, run, swept))
             if arm and best and base / best > 1:

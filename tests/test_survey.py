@@ -56,6 +56,15 @@ def test_a_setting_is_swept_then_run_at_a_tenth_of_its_swept_lr(tmp_path):
     hybrid = json.loads((tmp_path / "reports" / f"{name}-hybrid-seed0.json").read_text())
     assert [r["learning_rate"] for r in hybrid["runs"]] == [swept] and hybrid["arm"] == "hybrid"
     assert hybrid["runs"][0]["hybrid_stats"]["lr_scale"] == 1.0 and "difference +0.0000" in checked
+    # Another seed: its own Trainer at the LR checked, against which its hybrid is judged; seed 0's reports stay.
+    survey("sweep", name, "--seed", "1", "--learning_rates", f"{swept:g}", *where)
+    checked = survey("check", name, "--seed", "1", "--learning_rates", f"{swept:g}", *where)
+    seed1 = {arm: json.loads((tmp_path / "reports" / f"{name}-{arm}-seed1.json").read_text())
+             for arm in ("sweep", "hybrid")}
+    seed0_there = next(r for r in kept["runs"] if r["learning_rate"] == swept)
+    assert seed1["sweep"]["runs"][0]["final_eval_loss"] != seed0_there["final_eval_loss"]  # another init
+    assert seed1["hybrid"]["runs"][0]["final_eval_loss"] == seed1["sweep"]["runs"][0]["final_eval_loss"]
+    assert "difference +0.0000" in checked
     out = survey("table", "--half", "all", "--json", str(tmp_path / "table.json"), *where[:4])
     rows = json.loads((tmp_path / "table.json").read_text())
     assert [row["setting"] for row in rows] == [name] and name in out
