@@ -10,7 +10,8 @@ Host time per real step: the hybrid's work between backward and `optimizer.step`
 past the Trainer's own, and the pre-step hook), timed with `time.perf_counter` around those calls. On the CPU every
 operation is synchronous, so this is host time.
 
-    python scripts/memory_budget.py --steps 24 --warmup 5 --period 6 --pairs 1 --out docs/reports/gpt2-124m-memory-budget.json
+    python scripts/memory_budget.py --steps 24 --warmup 5 --period 6 --pairs 1 \
+        --out docs/reports/gpt2-124m-memory-budget.json
 
 Step time is measured under glibc's default allocator too, where the hybrid's extra buffers change the heap layout
 and with it how often the large activations and gradients are mapped and unmapped (runs 13-14). `--tuned_allocator`

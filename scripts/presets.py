@@ -108,6 +108,7 @@ PRESETS["demo"] = dict(
     learning_rate=6e-3, warmup_steps=10, weight_decay=0.1, optim="adamw_torch", bf16=False,
     hybrid=dict(hybrid_warmup_steps=50),
 )  # learning_rate: swept in docs/benchmarks-history.md, run 56
-DEMO_SWEPT_REPORT = "docs/reports/demo-speed-swept-lr.json"  # the demo's speed A/B at the swept LR, quoted on its screen
+# The demo's speed A/B at the swept LR, quoted on its screen.
+DEMO_SWEPT_REPORT = "docs/reports/demo-speed-swept-lr.json"
 # The LR autopilot's survey, split into a tuning half and a report half (survey_settings.py, scripts/survey.py).
 PRESETS.update({f"survey-{name}": setting for name, setting in survey_settings(FINETUNE).items()})

@@ -127,7 +127,14 @@ def test_the_never_worse_cell_needs_a_current_check_beside_any_plain_trainer_swe
              "environment": {"behaviour_version": BEHAVIOUR_VERSION}}
     (tmp_path / f"{name}-hybrid-seed0.json").write_text(json.dumps(check))
     [row] = render_readme.rows(tmp_path)
-    assert row.cells[-1] == "+0.050 at 3e-3 (of 2 LRs)"
+    assert row.cells[-1] == "+0.050 at 3e-3 (of 2 runs)"
+    # Another seed, against its own Trainer: the worst over both seeds.
+    (tmp_path / f"{name}-sweep-seed1.json").write_text(json.dumps(
+        {"arm": "baseline", "runs": [{"learning_rate": 1e-3, "final_eval_loss": 4.9}]}))
+    (tmp_path / f"{name}-hybrid-seed1.json").write_text(json.dumps(
+        {**check, "runs": [{"learning_rate": 1e-3, "final_eval_loss": 4.97}]}))
+    [row] = render_readme.rows(tmp_path)
+    assert row.cells[-1] == "+0.070 at 1e-3 (of 3 runs, 2 seeds)"
     check["environment"]["behaviour_version"] = BEHAVIOUR_VERSION - 1
     (tmp_path / f"{name}-hybrid-seed0.json").write_text(json.dumps(check))
     [row] = render_readme.rows(tmp_path)
