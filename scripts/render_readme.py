@@ -48,9 +48,9 @@ CAPTION = ("Rendered by `scripts/render_readme.py` from the LR-autopilot survey'
            "its own final loss over the arm's (for the hybrid, wall clock in brackets), then the arm's held-out loss "
            "at the Trainer's number of updates; evaluations at the start, every hundredth of the run up to the "
            "first tenth, then every tenth. Peers: Prodigy, Mechanic, schedule-free AdamW. Never worse: the hybrid "
-           "alone at each LR of the setting's grid from the user's to 3x the swept (seed 0), and on seed 1 where "
-           "seed 0 kept a raise at a third of the swept LR or above, each against the same seed's Trainer. Medians "
-           "over seeds where several ran.")
+           "alone at each LR of the setting's grid from the user's to 3x the swept (seed 0), and on seed 1 at the "
+           "grid's top and where seed 0 kept a raise at a third of the swept LR or above, each against the same "
+           "seed's Trainer. Medians over seeds where several ran.")
 
 
 @dataclass
