@@ -38,11 +38,6 @@ def untouched(run: dict) -> bool:
     return _version(run.get("environment")) == TO or (bool(stats) and (tried == 0 or not_opposed))
 
 
-def _fault_runs(report: dict) -> list[dict]:
-    """A faults report's hybrid arms (scripts/benchmark.py --mode faults), which keep their stats by arm name."""
-    return [arm for name, arm in report.get("arms", {}).items() if name.startswith("hybrid")]
-
-
 def carry(path: Path, why: str) -> None:
     report = json.loads(path.read_text())
     environment = report["environment"]
@@ -63,7 +58,7 @@ def main() -> None:
         report = json.loads(path.read_text())
         if _version(report.get("environment")) != FROM or report.get("arm") == "baseline":
             continue
-        runs = report["runs"] if "runs" in report else report.get("hybrid") or _fault_runs(report)
+        runs = report["runs"] if "runs" in report else report.get("hybrid", [])
         moved = [run for run in runs if not untouched(run)]
         if moved:
             lrs = ", ".join(f"{run.get('learning_rate', report.get('learning_rate')):g}" for run in moved)
