@@ -29,6 +29,8 @@ from presets import PRESETS
 from report import UPDATES, time_to
 from survey_settings import counts_now
 
+from hf_hybrid.autopilot.alignment import LAST_STEP as FIRST_RAISE_UPDATE
+
 HERE = Path(__file__).resolve().parent
 ARMS = "hybrid,prodigy,mechanic,sf,swept"
 G_ARMS = ("hybrid", "prodigy", "mechanic", "sf")
@@ -167,8 +169,26 @@ def rows(reports: Path, half: str) -> list[dict]:
                 # An arm that never reached the same-LR Trainer's loss recovered nothing of the sweep's gain.
                 values = [0.0 if v is None else v for v in values]
                 row[f"{arm}_{unit}"] = statistics.median(values) if values else None
+        user, swept = (statistics.median(r[arm][0]["updates_to_target"] or math.inf for r in runs)
+                       for arm in ("baseline", "swept"))
+        if swept < user:
+            row.update(user_updates=user, swept_updates=swept, late_for_0_9=late_for(0.9, user, swept),
+                       g_late=late_g(user, swept, FIRST_RAISE_UPDATE))
         out.append(row)
     return out
+
+
+def late_g(user: float, swept: float, late: float) -> float:
+    """G in updates of a run that follows the swept Trainer's path `late` updates after it, having gained nothing
+    before: what a rule can hope for whose evidence comes only after `late` updates. The updates are each Trainer's
+    to the user-LR Trainer's final loss."""
+    return math.log(user / (swept + late)) / math.log(user / swept)
+
+
+def late_for(g: float, user: float, swept: float) -> float:
+    """How many updates late on the swept Trainer's path a run may be and still reach G `g` (the inverse of
+    `late_g`)."""
+    return user ** (1 - g) * swept ** g - swept
 
 
 def table(args) -> None:
@@ -179,10 +199,20 @@ def table(args) -> None:
         cells = " ".join(f"{_g(row[f'{arm}_updates'])}/{_g(row[f'{arm}_wall'])}".rjust(15) for arm in G_ARMS)
         print(f"  {row['setting']:38} {row['half']:6} {row['learning_rate']:8.2g} {row['swept_learning_rate']:8.2g} "
               f"{cells}")
+    print("  what G 0.9 in updates asks, from the two Trainers' updates to the target: the swept Trainer's path at "
+          f"most this many updates late; and G on that path {FIRST_RAISE_UPDATE} updates late, where this design's "
+          "first raise may start at the soonest:")
+    for row in (row for row in found if "g_late" in row):
+        print(f"  {row['setting']:38} Trainer {row['user_updates']:5.0f}, swept {row['swept_updates']:5.1f}: "
+              f"late by {row['late_for_0_9']:4.1f} at most; G {row['g_late']:.2f} from update {FIRST_RAISE_UPDATE}")
     if found:
         ahead = sum((r["hybrid_updates"] or 0) > (r["prodigy_updates"] or 0) for r in found)
         print(f"  (updates/wall clock) hybrid ahead of Prodigy in updates in {ahead} of {len(found)} settings; "
               f"median G of the hybrid {statistics.median(r['hybrid_updates'] or 0 for r in found):.2f} in updates")
+        late = [r["g_late"] for r in found if "g_late" in r]
+        if late:
+            print(f"  median G on the swept Trainer's path {FIRST_RAISE_UPDATE} updates late: "
+                  f"{statistics.median(late):.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps(found, indent=2))
 

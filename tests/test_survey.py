@@ -27,6 +27,17 @@ def test_the_split_is_fixed_and_covers_what_matters_to_a_learning_rate():
     assert {s["user_lr"] for s in found.values() if "pretrained" in s} == {FINETUNE_LR}
 
 
+def test_g_on_the_swept_path_late_falls_with_the_delay_and_inverts():
+    import survey as runner
+
+    assert runner.late_g(300, 10, 0) == pytest.approx(1.0)  # the swept Trainer itself
+    assert runner.late_g(300, 10, 290) == pytest.approx(0.0)  # as late as the Trainer at the user's LR
+    # lora8-docs-linear's Trainers (300 and 4.9 updates): G 0.9 allows 2.5 updates late; 10 late gives 0.73.
+    assert runner.late_for(0.9, 300, 4.9) == pytest.approx(2.5, abs=0.05)
+    assert runner.late_g(300, 4.9, runner.late_for(0.9, 300, 4.9)) == pytest.approx(0.9)
+    assert runner.late_g(300, 4.9, 10) == pytest.approx(0.73, abs=0.005)
+
+
 def survey(*args: str) -> str:
     done = subprocess.run([sys.executable, str(SCRIPTS / "survey.py"), *args], capture_output=True, text=True,
                           timeout=600)
