@@ -41,8 +41,8 @@ def load_parts(parts: dict[str, Stateful], state: dict) -> None:
 def save_hybrid_state(output_dir: str, rank: int, state: dict, sharded: bool, writes_replicated: bool) -> None:
     """`sharded`: each rank holds its own shards of the tensors. `writes_replicated`: this rank writes what every rank
     holds alike (the Trainer's `should_save` rank)."""
-    # Every rank writes here, and the Trainer may not have made the folder yet on this one: under DDP, rank 1 got
-    # "Parent directory checkpoint-10 does not exist" (tests/test_ddp.py).
+    # Every rank writes here, and the Trainer may not have made the folder yet on this one: under DDP, rank 1's save
+    # would fail with "Parent directory ... does not exist" (tests/test_ddp.py).
     os.makedirs(output_dir, exist_ok=True)
     engine = dict(state["engine"])
     tensors = {key: engine.pop(key) for key in TENSOR_KEYS}

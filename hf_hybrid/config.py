@@ -99,8 +99,8 @@ class HybridTrainingArguments(TrainingArguments):
             Cost of a forward pass (a checked predicted step, a probe) relative to a real step, for the payoff
             check (a forward is about a third of forward+backward+step). The benchmark measures it; a fixed
             number keeps decisions identical across ranks and across resumes. A judged outer jump is charged two
-            forwards; on a GPU its copies over the host link cost more (about 2 real steps at GPT-2 124M on an
-            H200, where 0.35 charges 0.7): 1.0 charges that.
+            forwards; on a GPU its copies over the host link cost more, and 1.0 charges about what they cost
+            (docs/benchmarks-history.md, "What the payoff check charges a jump, against its wall time").
         hybrid_trace (`bool`, defaults to `True`):
             Write one JSON line per optimizer step to `<output_dir>/hybrid_trace.jsonl` (main process).
         hybrid_vram_min_free_mb (`float`, defaults to `0.0`):

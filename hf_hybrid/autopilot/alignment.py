@@ -4,30 +4,24 @@ displacement since the start, the signal Mechanic and Prodigy grow their step on
 Over optimizer steps FIRST_STEP to LAST_STEP, before each update, the cosine between the gradient and the weights'
 displacement since the first update, negated: positive while the gradient still points on along the way already
 come, as it does when every step is too short to reach the bottom of what it descends. Its mean over the window says
-whether the run is `aligned`. Measured on the tuning half of the autopilot's survey (docs/benchmarks.md, "The weights'
-path inside the warmup"), mean over steps 3-10:
-- full fine-tuning at 5e-5 and 1.5e-4 (a thirtieth and a tenth of its swept LR) 0.114 and 0.087, and 0.121 and 0.077
-  at 5e-5 and 5e-4 on an unswept one; 0.016-0.019 at a third of the swept LR and above;
-- from scratch 0.018-0.057 at every LR, the highest at a tenth;
-- LoRA 0.29-0.43 at every LR: its adapters start at zero, so the displacement is all theirs.
-ALIGNED sits between the scratch runs' 0.057 and the fine-tunes' 0.077. A third scratch setting of that half, run after
-the gate was set, reads 0.091 and 0.081 at a tenth and a third of its swept LR: from scratch the gate does not tell
-those two apart, and a run at a third raises to 16x (docs/benchmarks.md, "A reading every 5 steps while a raise is under
-way"). The alignment does not ask for a raise: the line (autopilot/scale.py) still does, but in an aligned run one long
+whether the run is `aligned`. ALIGNED sits above what most runs from scratch read at any LR and below what full
+fine-tunes read at a tenth of their swept LR or less; LoRA reads above it at every LR, since its adapters start at zero
+and the displacement is all theirs (docs/benchmarks.md, "The weights' path inside the warmup" and "The first steps'
+alignment"). From scratch it does not always tell a tenth of the swept LR from a third: a run at a third can read
+aligned and raise far past its swept LR (docs/benchmarks.md, "A reading every 5 steps while a raise is under way").
+The alignment does not ask for a raise: the line (autopilot/scale.py) still does, but in an aligned run one long
 reading is enough, not two in a row, and the raise may be up to MAX_ALIGNED_RAISE, and it may come as soon as the window
 closes, inside the schedule's warmup (a run that reads below the gate waits for the warmup's end + 10 steps, past its
-first descent); the verdict judges it as any other. So a LoRA run at a good LR, aligned but reading a short line, is not
-raised. Measured on the tuning half (docs/benchmarks.md, "Raising inside the warmup"): at 5e-5 with a 10- and a
-20-step warmup, G 0.64 -> 0.75 and 0.73 -> 0.84 in updates; at the swept LR of the LoRA setting, which reads aligned,
-a 2.3x raise ended 0.031 below the Trainer. A run whose mean reads below OPPOSED starts no raise at all: its steps
-already overshoot.
+first descent); the verdict judges it as any other (docs/benchmarks.md, "Raising inside the warmup"). So a LoRA run at
+a good LR, aligned but reading a short line, is not raised. A run whose mean reads below OPPOSED starts no raise at all:
+its steps already overshoot.
 
 Costs one copy of the weights from the first update to LAST_STEP, then released: in pinned host memory on an
 accelerator, so that it adds nothing to the device's peak in the steps that also take the guard's first snapshots, and
 comes in over the host link once per step inside the window. A checkpoint saved inside the window carries it, so a
 resumed run reads the same mean. Three dot products per step inside the window and no forward; each step's cosine is
 summed on the device, and the mean is read on the host once, at the first reading that asks for it, so a real step
-makes no host read more than before. Under DDP and FSDP2 each rank reads its own shards and the sums are added across
+makes no extra host read. Under DDP and FSDP2 each rank reads its own shards and the sums are added across
 ranks (a common factor under DDP, which the cosine ignores).
 """
 
@@ -41,8 +35,9 @@ from ..memory.snapshot import WeightSnapshot
 
 FIRST_STEP, LAST_STEP = 3, 10  # 1-based optimizer steps: the first two have no displacement worth a direction
 ALIGNED = 0.07
-# LoRA reads 0.29-0.46 up to its swept LR, full fine-tunes 0.12 at most and runs from scratch 0.09 at most, on the
-# tuning half: between them, a run whose raise may take the line's whole size (autopilot/scale.py).
+# Between what LoRA reads up to its swept LR and the most full fine-tunes and runs from scratch read, on the tuning
+# half (docs/benchmarks.md, "A larger first raise where the first steps read strongly aligned"): above it, a run's
+# raise may take the line's whole size (autopilot/scale.py).
 STRONGLY_ALIGNED = 0.2
 # Below this the gradient pointed back along the way already come, on average over the window: the steps overshoot
 # what they descend, the opposite of steps too short, so no raise starts whatever the lines read later. Read only at

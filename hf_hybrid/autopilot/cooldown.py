@@ -1,13 +1,13 @@
 """The raised scale's way back down, where the user's schedule has none of its own.
 
 A raise is judged about ten steps on, and a higher LR that leads there can still end the run higher: from scratch at a
-constant LR, twice the user's LR leads for the first hundred steps and ends 0.08 higher, because a constant LR ends
-the run at its own noise level (tests/test_lr_cooldown.py, the short-horizon trap; scripts/verdict_horizon.py shows
-the verdict cannot see that far). A schedule that decays (linear, cosine, warmup-stable-decay) takes a raised scale down
-with it and ends low whatever the scale; one that ends above half its peak (constant, constant with warmup) does not.
-There the scale returns to the user's LR over the run's last COOLDOWN_SHARE of steps, linearly, so the run ends at the
-LR the user gave, as a warmup-stable-decay schedule ends at its floor. On the trap the hybrid, which raises 2x there,
-now ends 0.04 below its Trainer instead of 0.11 above it (docs/benchmarks.md).
+constant LR, twice the user's LR leads for the first hundred steps and ends higher, because a constant LR ends the run
+at its own noise level (tests/test_lr_cooldown.py, the short-horizon trap; scripts/verdict_horizon.py shows the verdict
+cannot see that far). A schedule that decays (linear, cosine, warmup-stable-decay) takes a raised scale down with it
+and ends low whatever the scale; one that ends above half its peak (constant, constant with warmup) does not. There the
+scale returns to the user's LR over the run's last COOLDOWN_SHARE of steps, linearly, so the run ends at the LR the
+user gave, as a warmup-stable-decay schedule ends at its floor (docs/benchmarks.md, "The return to the user's LR under
+a schedule with no decay").
 """
 
 from __future__ import annotations

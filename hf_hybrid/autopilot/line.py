@@ -3,9 +3,8 @@
 Adam's next step is -lr * m_hat / (sqrt(v_hat) + eps), read from its state with no gradient. The probe loss at W,
 W + c*step and W + 2c*step puts a parabola along it; where it bottoms out, in steps, is how many of today's steps
 the current direction is worth. At a fixed point that number scales as 1 / lr (the step is proportional to the LR,
-the curvature it meets to its square), so it reads the LR itself, where the line an outer cycle travelled does not:
-measured on cpu-finetune from step 60, a parabola bottom at 0-0.5 steps at the swept LR and 10-270 steps at a
-twentieth of it (docs/benchmarks-history.md).
+the curvature it meets to its square), so it reads the LR itself, where the line an outer cycle travelled does not
+(docs/benchmarks-history.md, "the autopilot reads Adam's next step instead of the cycle's line").
 
 Three forwards, two moves along the step and one copy of the weights (the jump's undo copy, which exists only while
 it is in use), made after the optimizer step, when the gradients it stands in for are freed; the weights come back
@@ -37,9 +36,9 @@ def _step_groups(optimizer: torch.optim.Optimizer, lists: bool) -> list[tuple[di
     """The parameters Adam's next step moves, as (parameter group, [(parameter, its state)]) with one step count per
     list. With `lists` (an accelerator, where each kernel launch costs host time), each list holds as many parameters
     as fit in the group's largest parameter or CHUNK_ELEMENTS, whichever is more; without (a CPU, where a multi-tensor
-    op is a loop over its tensors anyway, and one tensor at a time stays in cache through its eight operations: 0.25 s
-    a move at GPT-2 124M against 0.33 s in lists), one parameter each. The step counts are tensors: they are read on
-    the host here, once per reading."""
+    op is a loop over its tensors anyway, and one tensor at a time stays in cache through its eight operations, which
+    is faster there), one parameter each. The step counts are tensors: they are read on the host here, once per
+    reading."""
     groups = [(group, [(p, optimizer.state[p]) for p in group["params"] if "exp_avg_sq" in optimizer.state.get(p, {})])
               for group in optimizer.param_groups]
     groups = [(group, states) for group, states in groups if states]
@@ -59,10 +58,11 @@ def _step_groups(optimizer: torch.optim.Optimizer, lists: bool) -> list[tuple[di
 def _move_along_next_step(step_groups: list, multiple: float) -> None:
     """Add `multiple` x Adam's next step (weight decay aside) to the weights.
 
-    One multi-tensor operation per list of `_step_groups` (one bias correction each) and step of the formula: in lists,
-    60 dispatched operations a move at GPT-2 124M where one tensor at a time took 1,776, each a kernel launch's host
-    time on an accelerator while the device waits for the reading's next forward. Its two temporaries are a list's
-    size, and its arithmetic is a per-parameter version's, element by element."""
+    One multi-tensor operation per list of `_step_groups` (one bias correction each) and step of the formula: far
+    fewer dispatched operations than one tensor at a time, each a kernel launch's host time on an accelerator while the
+    device waits for the reading's next forward (docs/benchmarks-history.md, "a reading's moves in multi-tensor
+    lists"). Its two temporaries are a list's size, and its arithmetic is a per-parameter version's, element by
+    element."""
     for group, states in step_groups:
         (beta1, beta2), lr = group["betas"], group["lr"]  # lr: a float, or a fused optimizer's tensor
         step = states[0][1]["step"]

@@ -11,8 +11,8 @@ the first accepted step after the raise and held, with no periodic replacement, 
 costs no memory beyond the guard's. A checkpoint saved during a trial asks for a new snapshot as always (a resumed run
 takes that one too), so the undo point moves to the save and resumed and uninterrupted runs stay bit for bit equal.
 An undone trial gives the batches since its undo point back to the data stream (loop/replay.py), as a rolled-back jump
-does: otherwise they would be skipped, and the run would follow another data order than the Trainer's (measured on
-cpu-lora, seed 1: a run whose one raise was undone and whose jumps were all rejected ended 0.0015 above the Trainer).
+does: otherwise they would be skipped, and the run would follow another data order than the Trainer's and end apart
+from it (docs/benchmarks-history.md, "An undone trial gives its batches back").
 """
 
 from __future__ import annotations
@@ -38,25 +38,25 @@ logger = logging.get_logger(__name__)
 
 # Real steps between two readings while a raise is asked for, judged or building up (a steady reach takes several
 # readings of a step or more): early enough to raise in the first tens of steps, where a too-small LR costs the most. A
-# reading costs three forwards (1.2-2.7 steps on a CPU; 68-117 ms against a 44 ms step at GPT-2 124M on a GPU; one more
-# where it judges a raise), so one that asks for nothing and leaves no steady reach within reach doubles the gap,
-# without a bound: a tuned run reads about log2(steps) times. Capped at 80 steps, the readings took 4.4% of a 600-step
-# GPT-2 124M run on a GPU that never raised (docs/benchmarks-history.md), and would take 2-3% of any longer one. Lines
-# of 0-1 steps (tuned runs) count as no line. The late raises on record in tuned runs (a steady reach at cpu-small's own
-# LR) were undone by their verdicts. The end line says what the readings cost.
+# reading costs three forwards (one more where it judges a raise), more than a training step's time, so one that asks
+# for nothing and leaves no steady reach within reach doubles the gap, without a bound: a tuned run reads about
+# log2(steps) times, a share of its time that falls as the run grows (docs/benchmarks-history.md, "a reading's moves in
+# multi-tensor lists, and readings that back off without a cap"). Lines of 0-1 steps (tuned runs) count as no line. A
+# building steady reach still keeps readings close, so a tuned run can still raise late; the verdict is what catches
+# such a raise. The end line says what the readings cost.
 READ_EVERY = 10
 # While a raise is under way past the warmup and the first descent (after a reading that raised or kept one, and while
-# one is on trial) the next reading comes sooner: from scratch the autopilot moves 2x a reading there, where Mechanic's
-# learned LR grows 7-17x between steps 20 and 30 (docs/benchmarks.md, "Mechanic's learned learning rate, step by
+# one is on trial) the next reading comes sooner: from scratch the autopilot moves 2x a reading there, far slower than
+# Mechanic's learned LR grows over the same steps (docs/benchmarks.md, "Mechanic's learned learning rate, step by
 # step"). Not before: a run raises there only on its first steps' alignment (FIRST_DESCENT_STEPS), which does not
-# tell a third of the swept LR from a tenth from scratch, and at this pace such a run rode to 9.6x the swept LR
+# tell a third of the swept LR from a tenth from scratch, and at this pace such a run rides far past the swept LR
 # (docs/benchmarks.md, "A reading every 5 steps while a raise is under way").
 RAISING_READ_EVERY = 5
 # No raise starts in the first steps after the schedule's warmup either: a run from scratch is still in its first
-# descent there, which reads long at any LR. On cpu-small (20 warmup steps) at its own LR the line read 8.2-8.6 steps
-# at step 20 and 4.3-5.3 at 25, then 0-1.9 from step 30 (seeds 0-2); a raise at step 21 ended 0.28 above the
-# Trainer (docs/benchmarks-history.md). A run whose first steps read aligned (autopilot/alignment.py) may raise from the
-# alignment's last step instead, inside the warmup: the alignment, not the line, told its LR apart there.
+# descent there, which reads long at any LR, and a raise there can make a run at a good LR worse
+# (docs/benchmarks-history.md, "a raise in the first descent at cpu-small's own LR"). A run whose first steps read
+# aligned (autopilot/alignment.py) may raise from the alignment's last step instead, inside the warmup: the alignment,
+# not the line, tells its LR apart there.
 FIRST_DESCENT_STEPS = 10
 
 
@@ -138,10 +138,9 @@ class LrAutopilot:
 
     def _frozen(self) -> bool:
         """No raise starts before `_raise_from`, where a run's first descent reads as a line tens of steps long at any
-        LR (measured on cpu-long at a fifth of the swept LR: 78 and 189 steps at steps 21 and 31, which raised it to
-        twice the swept LR and ended 0.06 above the Trainer), nor in the schedule's final decay (below half its
-        peak past the warmup), nor where the run or the judged scale would end before its verdict, READ_EVERY steps
-        on (`cpu-small` with faults raised its own LR 2.5x 3 steps before the end)."""
+        LR (docs/benchmarks-history.md, "the autopilot reads Adam's next step instead of the cycle's line"), nor in the
+        schedule's final decay (below half its peak past the warmup), nor where the run or the judged scale would end
+        before its verdict, READ_EVERY steps on: such a raise would never be judged."""
         epoch = self._scheduler.last_epoch
         return (epoch < self._raise_from() or (epoch >= self._warmup_steps() and self._schedule_factor() < 0.5)
                 or self._raises_end() - self.trainer.state.global_step < READ_EVERY)
@@ -214,10 +213,10 @@ class LrAutopilot:
         and each sequence's, unreduced (the reading's first forward): undone when its steps did worse than the user's
         LR would have by more than the jumps' noise margin; an even result keeps it. Unlike a jump, a raise was asked
         for by evidence of its own (a line at least twice as long as the steps it aims for), and what it is worth
-        accrues over hundreds of steps: on cpu-lora at a fifth of the swept LR the swept LR's lead on the probe grew by
-        0.0027 per 10 steps on average, against a noise of 0.02 on one trial's verdict, so a verdict that asked
-        the trial to prove its gain would undo every raise there. An overshoot shows at once. With no undo point to
-        compare against (a trial whose steps the guard all vetoed), the raise cannot be judged and is undone."""
+        accrues over hundreds of steps, slowly against the noise of one trial's verdict (docs/benchmarks-history.md,
+        "the verdict on a raise"), so a verdict that asked the trial to prove its gain would undo raises that pay. An
+        overshoot shows at once. With no undo point to compare against (a trial whose steps the guard all vetoed), the
+        raise cannot be judged and is undone."""
         trainer = self.trainer
         if not self.guard_loop.snapshot.valid:
             return False

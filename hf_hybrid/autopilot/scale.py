@@ -8,20 +8,18 @@ step (autopilot/line.py): the weights W, W + c*step and W + 2c*step. Call their 
 - `rate`: the fall of f0 since the last reading, per real step: paired (one batch), so it does not vanish into batch
   noise the way a loss slope over many batches does in low-LR fine-tuning.
 - `reach`: where a parabola through the three points bottoms out, in today's steps, times the schedule's factor (its
-  warmup or decay is the user's shape, not a sign about the peak). It scales as 1 / LR. Measured on cpu-finetune in a
-  plain AdamW loop past step 100: 0-0.5 at the swept LR, 0.2-4 at a fifth of it, 10-270 at a twentieth; early in a
-  run it is larger.
+  warmup or decay is the user's shape, not a sign about the peak). It scales as 1 / LR, and early in a run it is
+  larger (docs/benchmarks-history.md, "the autopilot reads Adam's next step instead of the cycle's line").
   A reach of RAISE_REACH or more at two readings in a row says the steps are too short; one long reading just after
-  the first descent does not (from scratch at a third of the swept LR the line read 10.8 steps at the first reading a
-  raise may start at, then 2.2; at two thirds, 4.1, then 0). So does a steady one: one reading on one batch is
-  noisy (at a fifth of the swept LR in LoRA it read 0-8.7 steps over steps 25-90, and at the swept LR 0-1.9, mostly 0),
-  but the median of the last STEADY_READINGS readings taken where a raise may start separates them: 1.4-2.5 at a fifth
-  by steps 40-65 in every seed, at most 0.81 at the swept LR and at 3x it in every regime measured.
+  the first descent does not: it can read long once and short from the next reading on (docs/benchmarks-history.md,
+  "Why the raise at a third of the swept LR ended worse: it overshot the best LR"). So does a steady one: one reading
+  on one batch is noisy, but the median of the last STEADY_READINGS readings taken where a raise may start separates a
+  too-small LR from a tuned one (docs/benchmarks-history.md, "a steady line raises").
 
 A raise is a trial. The scale is multiplied by what would put the line's bottom at TARGET_REACH steps (the shorter of
 the two readings; a steady reach: its median at STEADY_TARGET), at most MAX_RAISE at a time and MAX_SCALE in all, and
 the trainer takes an undo point. A raise at most doubles the scale because a reach overstates how far the best LR
-is, and past it the final loss rises steeply (from scratch: 4.807 at the swept LR, 5.139 at 1.33x it), unless the
+is, and past it the final loss can rise steeply (docs/benchmarks.md, "The line in a run's first steps"), unless the
 run's first steps were aligned (autopilot/alignment.py: MAX_ALIGNED_RAISE, or MAX_STRONGLY_ALIGNED_RAISE where they
 read strongly aligned, on one long reading); the next raise
 needs the line to read long again at the new scale (the reading that asked for a raise counts there at its reach
@@ -30,20 +28,18 @@ probe, than the point the old scale would have reached over the same batches (au
 goes back bit for bit (weights, optimizer state, schedule back to the undo point, the scale back to what it was), and
 the next raise waits 2, 4, ... readings; otherwise it is kept.
 Any step the guard flags starts the steady window again, and no raise starts before the STEADY_READINGS-th reading
-after it: readings on either side of bad data are not one steady run. In a faulted run at the swept LR, a median of
-1.55 over readings that straddled a rollback and a NaN step raised the LR 3.1x, and the verdict kept it at a gain of
--0.048 (1.6 SE, inside the margin); the run ended 0.054 above its clean Trainer (docs/benchmarks-history.md).
+after it: readings on either side of bad data are not one steady run, and a median over them can raise a tuned LR
+that the verdict's margin then keeps (docs/benchmarks-history.md, "the autopilot after the guard's flags").
 A guard rollback (the weights were damaged) also ends a trial and lowers a raised scale. The scale never goes below
 the user's LR: a run too fast for its data is the guard's to catch.
-The same reading holds the jumps back: a reach under TARGET_REACH says today's steps already go as far as the line
-runs, where a jump, which extends the path the steps took, has not been worth keeping (at the swept LR and at 3x it,
-every jump came after such a reading, and the kept ones ended runs above the Trainer as often as below it; runs
-128-137 in docs/benchmarks-history.md). Until the next reading, the trainer's predictor passes its turn instead of
-jumping. No raise starts in the schedule's warmup or the 10 steps after it (a run's first descent reads long at any LR),
-unless the run's first steps read aligned, which tells its LR apart where the line cannot: then from the alignment's
-last step on, inside the warmup. Nor once the schedule has decayed below half its peak (the final decay is the user's),
-or where the run would end before its verdict, nor ever in a run whose first steps read opposed (the gradient pointing
-back along the way come: its steps overshoot).
+The same reading holds the jumps back: a reach under TARGET_REACH says today's steps already go as far as the line runs,
+where a jump, which extends the path the steps took, is not worth keeping (docs/benchmarks-history.md, "the jumps at a
+high LR"). Until the next reading, the trainer's predictor passes its turn instead of jumping. No raise starts in the
+schedule's warmup or the 10 steps after it (a run's first descent reads long at any LR), unless the run's first steps
+read aligned, which tells its LR apart where the line cannot: then from the alignment's last step on, inside the warmup.
+Nor once the schedule has decayed below half its peak (the final decay is the user's), or where the run would end before
+its verdict, nor ever in a run whose first steps read opposed (the gradient pointing back along the way come: its steps
+overshoot).
 """
 
 from __future__ import annotations
@@ -63,24 +59,25 @@ def reach_of_line(f0: float, f1: float, f2: float) -> float:
     return descent / curvature if curvature > 0 else math.inf
 
 
-# A fine-tune at TrainingArguments' 5e-5 can sit 30x below its best LR (docs/benchmarks-history.md: the cap).
+# A fine-tune at TrainingArguments' 5e-5 can sit 30x below its best LR
+# (docs/benchmarks-history.md, "The cap: 10x -> 32x").
 MAX_SCALE = 32.0
 MAX_RAISE = 2.0
-# Where the first steps' alignment says the LR is far too small, the line's own size (a fine-tune at a thirtieth of its
-# swept LR reads 12-70 steps) is let through up to here: at 2x a reading, such a run took until step 60 to reach 32x,
-# and recovered 0.79 of a sweep's gain where a switch to the swept LR at step 10 recovers all of it.
+# Where the first steps' alignment says the LR is far too small, the line's own size (tens of steps) is let through up
+# to here: at 2x a reading such a run reaches the cap too late to recover what a switch to the swept LR at the window's
+# end recovers (docs/benchmarks.md, "What a raise can recover once it may start: an oracle switch").
 MAX_ALIGNED_RAISE = 4.0
 # Where they read strongly aligned, as a LoRA run's do below its swept LR (autopilot/alignment.py), the line's whole
-# size is let through, up to the cap: a fine-tune's sweep gain is decided in its first 5-16 updates, and at 4x a reading
-# such a run reached 32x at update 31 (docs/benchmarks.md, "A larger first raise where the first steps read aligned").
-# From scratch the same one-reading raise, read in the first descent, went to 32x at once and ended 0.15 above the
-# Trainer at a third of the swept LR: a run that reads only aligned keeps the 4x step.
+# size is let through, up to the cap: a fine-tune's sweep gain is decided in its first updates, which 4x a reading
+# spends reaching the cap. From scratch the same one-reading raise, read in the first descent, overshoots the swept LR,
+# so a run that reads only aligned keeps the 4x step (docs/benchmarks.md, "A larger first raise where the first steps
+# read aligned").
 MAX_STRONGLY_ALIGNED_RAISE = MAX_SCALE
 RAISE_REACH = 4.0  # a next step worth this many of today's (at the schedule's peak), twice in a row, asks for a raise
 TARGET_REACH = 2.0  # and the raise aims the line's bottom here: reaches of 9 and 5 raise 2.5x, capped at MAX_RAISE
 STEADY_READINGS = 3
 STEADY_REACH = 1.0  # the median of that many readings in a row asks for a raise from here
-STEADY_TARGET = 0.5  # and the raise aims it here, inside the 0-0.81 that tuned runs read
+STEADY_TARGET = 0.5  # and the raise aims it here, inside what tuned runs read
 
 
 @dataclass
@@ -94,7 +91,7 @@ class LrScale:
     raises_kept: int = 0
     trials_undone: int = 0
     lowered: int = 0
-    readings: int = 0  # each ran three probe forwards: 1.2-2.7 training steps on a CPU (lr_autopilot.READ_EVERY)
+    readings: int = 0  # each runs three probe forwards (what they cost: autopilot/runner.py, READ_EVERY)
     last_reach: float | None = None  # the last reading's, at the schedule's peak
     recent: tuple[float, ...] = ()  # the last readings' reaches where a raise may start, at today's scale
     previous: float | None = None  # the last reading's reach where a raise may start, in today's steps

@@ -7,9 +7,8 @@ sequence; the raise is undone when W is worse than that point by more than the n
 (`LrAutopilot` says, where it asks for the verdict, why an even result keeps it).
 
 That is a counterfactual on the same batches. The probe's progress per step under the raise, against its progress
-before the raise, would not do: early in a run that falls several times over whatever the LR (cpu-lora at a fifth of
-the swept LR, plain Trainer: 0.0164 per step over steps 20-40, 0.0027 over 40-60), so a raise that paid would be
-undone (docs/benchmarks-history.md).
+before the raise, would not do: early in a run that falls several times over whatever the LR, so a raise that paid
+would be undone (docs/benchmarks-history.md, "the verdict on a raise").
 
 One forward and one copy of the weights (the jump's undo copy, free outside a jump), once per trial: the probe at the
 raised weights is the first forward of the same reading's line (autopilot/line.py). Under DDP the undo point's weights

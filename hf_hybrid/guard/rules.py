@@ -9,10 +9,9 @@ when its loss or gradient norm is not finite, or when either lies more than `thr
 that falls faster than usual is good news. Detection starts once the window is half full; non-finite
 values are caught from the first step. A large finite gradient norm counts only when the Trainer does not
 clip gradients (`max_grad_norm` 0): clipping already bounds what such a step feeds the optimizer, and the
-plain Trainer rides it out. Measured on cpu-long (docs/benchmarks-history.md): at the end of the LR warmup
-the gradient norm jumped 10-20x for 13 steps while the loss stayed in range; the clipped Trainer's loss was
-back within a step, and the guard's reaction (a rollback of 37 good updates, or 13 dropped batches) only
-changed the run.
+plain Trainer rides it out. At the end of an LR warmup the gradient norm can jump tenfold for many steps at an
+ordinary loss; a reaction there (a rollback, or dropped batches) only changes the run
+(docs/benchmarks-history.md, "The guard in the steep early phase").
 
 Reaction, escalating (OLMo-core's SkipStepOptimizer and PaLM's restarts, in one ladder):
 - SKIP: the step's update is vetoed and its batch dropped. An outlier alone says nothing about the
@@ -40,8 +39,8 @@ from .config import GuardConfig
 
 MAD_TO_SIGMA = 1.4826  # the MAD of a normal distribution is 0.6745 sigma
 # Floors on the robust sigma, so that an unusually smooth stretch does not turn ordinary noise into outliers:
-# relative for the loss (2%), in log units for the gradient norm (at 6 sigmas, 3.3x the median; a clean run of the
-# tiny recipe reached 2x its median at step 337).
+# relative for the loss (2%), in log units for the gradient norm (at 6 sigmas, 3.3x the median, above what clean
+# runs reach: docs/benchmarks-history.md, "Run protection: the guard against injected faults").
 LOSS_SIGMA_FLOOR = 0.02
 LOG_GRAD_SIGMA_FLOOR = 0.2
 
@@ -94,7 +93,7 @@ class StepGuard:
         self.grad_norm_outliers = grad_norm_outliers  # False: only a non-finite gradient norm is flagged
         self.max_skips = config.max_skips
         self.max_rollbacks = config.max_rollbacks
-        # Half a window: early training's gradient norms swing widely, and a short history flags them (measured).
+        # Half a window: early training's gradient norms swing widely, and a short history flags them.
         self.min_steps = min_steps if min_steps is not None else min(window, max(8, window // 2))
         self.loss = RobustWindow(window, LOSS_SIGMA_FLOOR, relative_floor=True)
         self.log_grad = RobustWindow(window, LOG_GRAD_SIGMA_FLOOR, relative_floor=False)
@@ -154,9 +153,9 @@ class StepGuard:
             event.signal, event.value, event.bound = f"weights ({reference.signal})", reference.value, reference.bound
             event.action = Action.ROLLBACK
             return
-        # An update lowers, or barely moves, the loss of the batch it was computed on: over 780 clean steps in session
-        # 28 it never rose by more than 0.08 robust sigmas, while the faults runs' 100x-LR updates raised it by 0.5 to
-        # 39 (1.7 sigmas and more). The window's last value is that batch's loss when accepted, before its update.
+        # An update lowers, or barely moves, the loss of the batch it was computed on; one robust sigma is far above
+        # a clean update's rise and below an overshooting one's (docs/benchmarks-history.md, "an update that
+        # overshot its own batch"). The window's last value is that batch's loss when accepted, before its update.
         accepted = self.loss.values[-1]
         rise_bound = accepted + self.loss.median_and_sigma()[1]
         if reference_loss > rise_bound:

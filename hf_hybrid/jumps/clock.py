@@ -2,10 +2,10 @@
 
 The payoff check decides on a cost clock (jumps/payoff.py: a real step costs 1, a forward `--hybrid_predict_step_cost`),
 so that every rank and a resumed run decide alike. The clock counts forwards, not copies: on a GPU a jump also moves the
-outer state over the host link, and at GPT-2 124M on an H200 one took about 2 real steps where the clock charged 0.7
-(docs/benchmarks-history.md). Such a check keeps jumps that gain less than they cost. This clock times the run's
-own steps, decides nothing, and at the end says in one line when the jumps cost well over their charge, with the flag
-value that would charge what they cost.
+outer state over the host link, and takes far more than its charge; on a CPU, somewhat more
+(docs/benchmarks-history.md, "What the payoff check charges a jump, against its wall time"). Such a check keeps jumps
+that gain less than they cost. This clock times the run's own steps, decides nothing, and at the end says in one line
+when the jumps cost well over their charge, with the flag value that would charge what they cost.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from ..loop.seam import HybridTrainer
 from .controller import Phase
 
 MIN_JUMPS = 3  # timed jumps, the first (which allocates the jump's buffers) left out
-MIN_OVERCHARGE = 2.0  # the measured cost over the charge worth a line (a CPU fine-tuning jump: 1.8x)
+MIN_OVERCHARGE = 2.0  # the measured cost over the charge worth a line: above a CPU jump's
 
 
 class JumpClock(TrainerCallback):

@@ -41,7 +41,8 @@ def lr_too_small(stats: dict, learning_rate: float) -> str | None:
     factor = (real + stats["jump_worth_steps"]) / real
     if factor < MIN_SPEEDUP:
         return None
-    # A lower bound: at a fifth of the swept LR the jumps measured 1.3x (docs/benchmarks-history.md).
+    # A lower bound: a kept jump recovers only part of the distance to the right LR (docs/benchmarks-history.md,
+    # "The learning rate users run without a sweep").
     return (f"hf_hybrid: the learning rate looks too small: {kept} of {judged} jumps paid, worth {factor:.2f}x the "
             f"progress of the real steps alone, so it is at least about {factor:.1f}x too small. Sweep upward from "
             f"--learning_rate {learning_rate * factor:.2g}, or pass --hybrid_lr_autopilot true to let the trainer "

@@ -9,14 +9,13 @@ benchmark measures the real ratio so the cost can be set to it.
 Before a Predict phase, a least-squares line through the recent real-step losses gives the rate at which
 plain training was improving per unit cost. What a kept jump was worth in real steps is counted against a better
 measure where the outer predictor gives one (`use_rate`): the probe's loss at the cycle's start and end, per real step
-of the cycle. The slope of a noisy loss is often flat or rising in low-LR fine-tuning, which made kept jumps worth 0
-steps exactly where they paid. The phase's gain is measured on one probe batch (the phase's first batch, which no
+of the cycle. The slope of a noisy loss is often flat or rising in low-LR fine-tuning, and would count kept jumps as
+worth 0 steps exactly where they pay. The phase's gain is measured on one probe batch (the phase's first batch, which no
 step trains on) at the weights before and after the predicted deltas: a paired difference, free of the batch-to-batch
 noise that swamps a comparison of different batches' losses.
 The prediction pays when that gain is at least what plain training would have made for the phase's cost, by
 `noise_margin` standard errors of the gain: one batch is a sample of sequences, and a gain that a few of them carry
-is noise (measured on cpu-lora at 3x the swept LR: a jump kept on a gain of 0.0035 with a standard error of 0.0029,
-up on 4 of its 8 sequences, ended 0.0044 above the Trainer; docs/benchmarks-history.md).
+is noise, which a kept jump leaves in the run (docs/benchmarks-history.md, "the jumps at a high LR").
 """
 
 from __future__ import annotations

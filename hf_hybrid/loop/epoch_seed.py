@@ -3,8 +3,8 @@
 Each epoch's DataLoader iterator draws its seeds from the global RNG, which on CPU is also the dropout RNG. The
 hybrid fetches batches ahead of its real steps by the units that rolled-back jumps gave back (loop/replay.py), so it
 creates the next epoch's iterator that many real steps early, and every dropout mask after that differs from the
-Trainer's. On cpu-long this alone made the hybrid miss the Trainer's final loss by 0.0003-0.0015 after 2850
-identical real steps (docs/benchmarks-history.md).
+Trainer's: enough to miss its final loss after identical real steps (docs/benchmarks-history.md, "cpu-long A/B after
+the guard change").
 
 So the draw is undone when the epoch's first batch is fetched, and made again just before that batch goes to a
 real step: that is where the Trainer made it. The draw is re-made, not restored from a saved state, so it is only

@@ -81,7 +81,7 @@ def training_step_loss(trainer: HybridTrainer, model: torch.nn.Module, inputs: d
     """A micro-batch's loss as `Trainer.training_step` computes and scales it, under the caller's grad mode and RNG:
     on the scale of the loss the Trainer logs and the guard judges. A plain mean can differ from it: where the Trainer
     does not see that the loss shifts the labels it counts every label, one more per sequence than the loss averages
-    over (1.6% at 64 tokens, measured: docs/benchmarks-history.md)."""
+    over (1.6% at 64 tokens)."""
     with trainer.compute_loss_context_manager():
         loss = trainer.compute_loss(model, trainer.prepare_inputs(inputs), num_items_in_batch=num_items_in_batch)
     scaled = getattr(trainer, "loss_is_scaled_for_ga", None)  # absent from older transformers (5.17)

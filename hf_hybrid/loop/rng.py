@@ -3,8 +3,8 @@ a fork of the RNG, so that the Trainer's own streams (data order, dropout) stay 
 
 Inside a fork, only the forked generators are seeded. `torch.manual_seed` would reseed every CUDA device's generator
 too, and a fork restores only the devices it names: on a GPU, seeding the loss forecast that way moves the Trainer's
-dropout masks from the first step on (measured on an H100; on a CPU the fork restores the generator, so CPU runs stay
-exact either way).
+dropout masks from the first step on (docs/benchmarks-history.md, "the Trainer's weights on a GPU"; on a CPU the fork
+restores the generator, so CPU runs stay exact either way).
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """Where the rollback copies live on an accelerator: the guard's snapshot (the optimizer's moments, and a copy of the
 weights of its own where it keeps one) and the outer predictor's anchor and momentum.
 
-In pinned host memory they cost no device memory, but every copy crosses the host link: at GPT-2 124M on an H200 the
-guard's snapshot copies took 6-8% of the real steps' time, and a judged jump about two real steps
-(docs/benchmarks-history.md). On the device each is a device-to-device copy. So they go on the device where all of them
-fit in `--hybrid_device_copies_share` of the device memory the run leaves free at its peak so far, and in pinned host
-memory otherwise: a rollback copy must never be what puts a run out of memory. The values are bit for bit the same
-either way.
+In pinned host memory they cost no device memory, but every copy crosses the host link, a visible share of the step time
+for the guard's snapshots and more than a real step for a judged jump (docs/benchmarks-history.md, "the steady hook
+cost, the readings, and a jump's cost"). On the device each is a device-to-device copy. So they go on the device where
+all of them fit in `--hybrid_device_copies_share` of the device memory the run leaves free at its peak so far, and in
+pinned host memory otherwise: a rollback copy must never be what puts a run out of memory. The values are bit for bit
+the same either way.
 
 The choice is made once, where the first copy is allocated. In a fresh run that is the second optimizer step, after the
 first one has shown the peak (forward, backward and the optimizer's step, which creates AdamW's moments, so their bytes

@@ -169,7 +169,7 @@ class OuterMomentumPredictor(Predictor):
         for i, (anchor, start, shard) in enumerate(zip(self.anchor or [], before, local_shards(self.params))):
             buf = anchor if take_anchor else self.buf[i]
             step = fetch(anchor, shard.device) - fetch(start, shard.device)
-            # + 0.0 as the zero momentum's `0 * m + step` did: a -0.0 pseudo-gradient is kept +0.0, bit for bit.
+            # + 0.0, as `0 * m + step` from a zero momentum: a -0.0 pseudo-gradient becomes +0.0, bit for bit.
             new = step.add_(0.0) if take_anchor else fetch(buf, shard.device).mul_(self.momentum).add_(step)
             if new is not buf:  # on the CPU `fetch` gives the buffer itself
                 buf.copy_(new, non_blocking=True)
