@@ -68,16 +68,21 @@ class HybridTrainingArguments(TrainingArguments):
             Nesterov momentum of the `outer` predictor, in [0, 1).
         hybrid_lr_autopilot (`bool`, defaults to `True`):
             Raise the learning rate when a probe along the optimizer's next step (three forwards, every 10 real steps,
-            the gap doubling while it reads no line a step long) shows the steps are too short: one multiplier on the
-            whole schedule (logged as `hybrid/lr_scale`), sized to the readings (two in a row 4 or more steps long, or
-            three in a row whose median is 1 step or more), up to 2x at a time and 32x in all, never below the user's.
-            Each raise is judged at the next reading, on the probe, against the point the user's LR would have reached
-            over the same batches (two forwards), and undone bit for bit (to the guard's snapshot) when it did worse by
-            more than `hybrid_probe_noise_margin`; no raise in the schedule's warmup, the 10 steps after it, its final
-            decay, the last 10 steps, or before the third reading after a step the guard flagged. Where the schedule
-            has no decay of its own (constant), a raised scale returns to 1 over the run's last fifth, and no raise
-            starts in the 10 steps before that. Needs the guard's snapshots and an Adam-family optimizer. `False`
-            keeps `--learning_rate` exactly.
+            every 5 while a raise is under way past the warmup, the gap doubling while it reads no line a step long)
+            shows the steps are too short: one multiplier on the whole schedule (logged as `hybrid/lr_scale`), sized
+            to the readings (two in a row 4 or more steps long, or three in a row whose median is 1 step or more), up
+            to 2x at a time and 32x in all, never below the user's. Where the first steps' gradient still points on
+            along the way come (their alignment), the LR is far too small: one long reading is enough, and a raise
+            may be 4x, or up to the cap at once where they read strongly aligned, as LoRA's do; where it points back
+            (opposed), no raise starts at all. Each raise is judged at the next reading, on the probe, against the
+            point the user's LR would have reached over the same batches (two forwards), and undone bit for bit (to
+            the guard's snapshot) when it did worse by more than `hybrid_probe_noise_margin`. No raise in the
+            schedule's warmup or the 10 steps after it (unless the first steps read aligned: then from step 10), its
+            final decay, the last 10 steps, or before the third reading after a step the guard flagged. Where the
+            schedule has no decay of its own (constant), a raised scale returns to 1 over the run's last fifth, and
+            no raise starts in the 10 steps before that. Needs the guard's snapshots, an Adam-family optimizer and a
+            schedule that scales with its base learning rate (not `reduce_lr_on_plateau`). `False` keeps
+            `--learning_rate` exactly.
         hybrid_monitor_interval (`int`, defaults to `1`):
             Run a forward pass to check the loss on every N-th predicted step (and always on a phase's last);
             skipped steps cost almost nothing but are unchecked until the next check.
@@ -133,9 +138,10 @@ class HybridTrainingArguments(TrainingArguments):
         hybrid_guard_max_skips (`int`, defaults to `25`):
             Outlier steps in a row after which the guard rolls back rather than skip again.
         hybrid_guard_snapshot_steps (`int`, defaults to `50`):
-            Take the rollback snapshot (weights, optimizer state, schedule, RNG; in host memory) every this many
-            steps. With the `outer` predictor it is also taken at each cycle's start, on the anchor's copy of the
-            weights. 0 takes none: the guard then only skips, and a needed rollback stops the run.
+            Take the rollback snapshot (weights, optimizer state, schedule, RNG) every this many steps: on the
+            accelerator where the rollback copies fit `hybrid_device_copies_share`, else in pinned host memory. With
+            the `outer` predictor it is also taken at each cycle's start, on the anchor's copy of the weights. 0 takes
+            none: the guard then only skips, and a needed rollback stops the run.
         hybrid_guard_max_rollbacks (`int`, defaults to `3`):
             Rollbacks allowed in a run; the next needed one saves a checkpoint and stops training with an error.
     """
