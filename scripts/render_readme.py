@@ -39,11 +39,12 @@ MAX_ROWS = 12  # the survey has 12 settings: every one with runs is shown, the w
 NOT_MEASURED = "not measured at the current version"
 PEERS = {"prodigy": "Prodigy", "mechanic": "Mechanic", "sf": "schedule-free AdamW"}
 HEADER = ("| setting (half): the user's LR (the swept) | Trainer at the user's LR; at the swept LR | hybrid "
-          "| best peer | never worse: hybrid - Trainer at the worst LR |")
+          "| best peer | never worse: hybrid's final loss - Trainer's, where it is highest |")
 
 CAPTION = ("Rendered by `scripts/render_readme.py` from the LR-autopilot survey's reports (`docs/survey/`, "
            "`scripts/survey.py`), on a CPU, each setting at the LR a user types: `TrainingArguments`' 5e-5 to "
-           "fine-tune, a tenth of the swept LR from scratch. (report) rows come from the half left unread while the "
+           "fine-tune, a tenth of the swept LR from scratch (the swept LR: the best final loss over a coarse grid of "
+           "the Trainer's LRs). (report) rows come from the half left unread while the "
            "autopilot was tuned, (tune) rows from the half it was tuned on. An arm's cell: the Trainer's updates to "
            "its own final loss over the arm's (for the hybrid, wall clock in brackets), then the arm's held-out loss "
            "at the Trainer's number of updates; evaluations at the start, every hundredth of the run up to the "
