@@ -37,7 +37,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> type:
     # transformers takes seconds to import; `hf_hybrid.jumps.controller` does not need it.
     if name in _LAZY:
         from importlib import import_module

@@ -12,7 +12,11 @@ from __future__ import annotations
 
 from itertools import chain
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from datasets import DatasetDict
+    from transformers import BatchEncoding, GPT2TokenizerFast, PreTrainedTokenizerBase
 
 ASSETS = Path(__file__).parent / "assets"
 SHIPPED_TOKENIZER_DIR = ASSETS / "gpt2"
@@ -23,7 +27,7 @@ SHIPPED_CORPORA = {
 SHIPPED_CORPUS_FILES = SHIPPED_CORPORA["shakespeare"]
 
 
-def load_shipped_tokenizer():
+def load_shipped_tokenizer() -> GPT2TokenizerFast:
     """The real GPT-2 byte-level BPE tokenizer, from the shipped vocab.json and merges.txt."""
     from transformers import GPT2TokenizerFast
 
@@ -32,14 +36,14 @@ def load_shipped_tokenizer():
     return GPT2TokenizerFast.from_pretrained(str(SHIPPED_TOKENIZER_DIR))
 
 
-def load_text_dataset(data_files: dict[str, str], keep_linebreaks: bool = True):
+def load_text_dataset(data_files: dict[str, str], keep_linebreaks: bool = True) -> DatasetDict:
     """`load_dataset("text", ...)` over local (optionally gzipped) files, as run_clm does."""
     from datasets import load_dataset
 
     return load_dataset("text", data_files=data_files, keep_linebreaks=keep_linebreaks)
 
 
-def load_shipped_corpus(name: str = "shakespeare"):
+def load_shipped_corpus(name: str = "shakespeare") -> DatasetDict:
     """A shipped corpus (`shakespeare` or `transformers-docs`) as a `DatasetDict` with `train` and `validation`."""
     return load_text_dataset(SHIPPED_CORPORA[name])
 
@@ -53,11 +57,12 @@ def group_texts(examples: dict[str, list[Any]], block_size: int) -> dict[str, li
     return result
 
 
-def build_lm_datasets(raw_datasets, tokenizer, block_size: int, num_proc: int | None = None):
+def build_lm_datasets(raw_datasets: DatasetDict, tokenizer: PreTrainedTokenizerBase, block_size: int,
+                      num_proc: int | None = None) -> DatasetDict:
     """Tokenize a text `DatasetDict` and group it into fixed-length causal-LM blocks."""
     column_names = list(raw_datasets["train"].features)
 
-    def tokenize(examples):
+    def tokenize(examples: dict[str, list[str]]) -> BatchEncoding:
         return tokenizer(examples["text"])
 
     tokenized = raw_datasets.map(

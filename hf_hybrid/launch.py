@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from transformers.utils import logging
+
+if TYPE_CHECKING:
+    from transformers import Trainer
 
 logger = logging.get_logger(__name__)
 
 
-def check_launch_mode(trainer) -> None:
+def check_launch_mode(trainer: Trainer) -> None:
     if trainer.is_deepspeed_enabled:
         config = trainer.args.deepspeed or os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or "the accelerate config"
         raise ValueError(

@@ -7,6 +7,10 @@ from __future__ import annotations
 import json
 import os
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .jumps.engine import HybridEngine, StepRecord
 
 TRACE_NAME = "hybrid_trace.jsonl"
 
@@ -32,8 +36,8 @@ class StepTrace:
     def elapsed(self) -> float:
         return time.perf_counter() - self.t0
 
-    def write_step(self, step: int, record, engine, guard_action: str | None, probe_line: tuple | None,
-                   raise_verdict: tuple | None, lr: float) -> None:
+    def write_step(self, step: int, record: StepRecord, engine: HybridEngine, guard_action: str | None,
+                   probe_line: tuple | None, raise_verdict: tuple | None, lr: float) -> None:
         """The row of the optimizer step that just ended (`record`: the engine's record of it)."""
         row = {"step": step, "phase": record.phase.value, "loss": record.loss, "time": self.elapsed(),
                "confidence": engine.confidence, "prediction_error": engine.predictor.last_residual,

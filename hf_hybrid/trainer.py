@@ -1,8 +1,8 @@
 """`HybridHFTrainer`: the Hugging Face `Trainer` with hybrid predictive training.
 
-Thin glue: the Trainer subclass holds its overrides; what they call lives in the capability packages (jumps/, guard/,
-autopilot/) and in loop/ and memory/, which they share. The parts reach the trainer through loop/seam.py's protocol.
-Each override exists for one reason:
+Thin glue: the subclass holds the overrides; what they call lives in the capability packages (jumps/, guard/,
+autopilot/, and loop/ and memory/, which they share), which reach the trainer through loop/seam.py. Each override has
+one reason:
 - `get_batch_samples`: a rolled-back jump's batches were never trained on; they are handed out again before fresh
   ones, so the run keeps the Trainer's data order (loop/replay.py);
 - `training_step`: a Predict step runs no backward (only a no-grad forward to check the loss), and its predicted delta
@@ -21,8 +21,11 @@ The other loop points come through a callback placed first in line, so that a ro
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
-from transformers import Trainer, TrainerCallback
+from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer_utils import TrainOutput
 from transformers.utils import logging
 
 from .autopilot.runner import LrAutopilot, build_autopilot
@@ -54,23 +57,24 @@ class _HybridStepHooks(TrainerCallback):
     def __init__(self, trainer: HybridMixin) -> None:
         self.trainer = trainer
 
-    def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       train_dataloader: torch.utils.data.DataLoader | None = None, **kwargs) -> None:
         self.trainer._hybrid_train_begin(train_dataloader)
 
-    def on_epoch_begin(self, args, state, control, **kwargs):
+    def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs) -> None:
         if self.trainer._hybrid is not None:  # just before the Trainer makes the epoch's DataLoader iterator
             self.trainer._hybrid.epoch_seed.epoch_begins()
 
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+    def on_pre_optimizer_step(self, *args, **kwargs) -> None:
         self.trainer._hybrid_before_optimizer_step()
 
-    def on_optimizer_step(self, args, state, control, **kwargs):
+    def on_optimizer_step(self, *args, **kwargs) -> None:
         self.trainer._hybrid_after_optimizer_step()
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs) -> None:
         self.trainer._hybrid_end_step(control)
 
-    def on_train_end(self, args, state, control, **kwargs):
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs) -> None:
         self.trainer._hybrid_train_end()
 
 
@@ -104,7 +108,6 @@ class HybridMixin:
             self.add_callback(EmergencyCheckpointCallback(self._vram, self.hybrid_config.vram_min_free_mb))
 
     # ---- public -----------------------------------------------------------------------------------
-
     def hybrid_stats(self) -> dict:
         """Optimizer steps per phase, backward reduction, rollbacks and divergences so far."""
         guard = self._guard_loop.guard if self._guard_loop is not None else StepGuard(self.hybrid_config.guard)
@@ -113,12 +116,13 @@ class HybridMixin:
         return {**engine, **guard.stats(), **autopilot}
 
     # ---- the step ---------------------------------------------------------------------------------
-
-    def get_batch_samples(self, epoch_iterator, num_batches, device):
+    def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int,
+                          device: torch.device) -> tuple[list, torch.Tensor | int | None]:
         fresh = super().get_batch_samples(epoch_iterator, num_batches, device)
         return self._hybrid.next_batches(fresh) if self._hybrid is not None else fresh
 
-    def training_step(self, model, inputs, num_items_in_batch=None):
+    def training_step(self, model: torch.nn.Module, inputs: dict,
+                      num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
         engine = self._hybrid
         if engine is None:
             return super().training_step(model, inputs, num_items_in_batch)
@@ -138,12 +142,11 @@ class HybridMixin:
             return loss
         return predict_training_step(self, model, inputs, num_items_in_batch, first_micro_batch)
 
-    def _clip_grad_norm(self, model):
-        if self._hybrid_step_has_no_backward():
-            return None
-        return super()._clip_grad_norm(model)
+    def _clip_grad_norm(self, model: torch.nn.Module) -> torch.Tensor | float | None:
+        return None if self._hybrid_step_has_no_backward() else super()._clip_grad_norm(model)
 
-    def _get_grad_norm(self, model, grad_norm=None):
+    def _get_grad_norm(self, model: torch.nn.Module,
+                       grad_norm: torch.Tensor | float | None = None) -> torch.Tensor | float | None:
         if self._hybrid_step_has_no_backward():
             return None
         grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
@@ -178,7 +181,7 @@ class HybridMixin:
         if record is not None and record.phase.has_backward and not (record.skipped or record.rollback) and stepped:
             self._hybrid.after_optimizer_step(self.current_learning_rate())
 
-    def _hybrid_end_step(self, control) -> None:
+    def _hybrid_end_step(self, control: TrainerControl) -> None:
         engine = self._hybrid
         if engine is None or engine.record is None:
             return
@@ -214,7 +217,6 @@ class HybridMixin:
         return {key: part for key, part in parts.items() if part is not None}
 
     # ---- the seam the loop parts use (seam.HybridTrainer) ----------------------------------------------
-
     @property
     def hybrid_engine(self) -> HybridEngine:
         return self._hybrid
@@ -228,7 +230,7 @@ class HybridMixin:
     def prepare_inputs(self, inputs: dict) -> dict:
         return self._prepare_inputs(inputs)
 
-    def _hybrid_train_begin(self, train_dataloader) -> None:
+    def _hybrid_train_begin(self, train_dataloader: torch.utils.data.DataLoader | None) -> None:
         # The model and optimizer are prepared by now; each train() call builds the engine anew, before any file
         # is touched, so a setup error (no trainable parameter, an optimizer the predictor can't read) leaves none.
         self._hybrid = self._build_engine()
@@ -268,7 +270,6 @@ class HybridMixin:
         super().log(logs, start_time)
 
     # ---- checkpoints --------------------------------------------------------------------------------
-
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)
         if self._hybrid is not None:
@@ -281,20 +282,19 @@ class HybridMixin:
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is not None and self.hybrid_config.enabled:
-            state = find_hybrid_state(checkpoint, self.args.process_index)
-            if state is not None:
-                self._hybrid_pending_state = state
+            self._hybrid_pending_state = find_hybrid_state(checkpoint, self.args.process_index)
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
         super()._load_rng_state(checkpoint)
         if self._hybrid is not None:
             self._hybrid.rng_loaded()
 
-    def train(self, *args, **kwargs):
+    def train(self, *args, **kwargs) -> TrainOutput:
         output = super().train(*args, **kwargs)
         if self._guard_loop is not None and self._guard_loop.stop_message is not None:
             raise GuardStoppedError(self._guard_loop.stop_message)
         return output
+
 
 class HybridHFTrainer(HybridMixin, Trainer):
     """A drop-in `transformers.Trainer` with Warmup, Full, Predict and Correct phases."""

@@ -14,11 +14,16 @@ bit for bit. At a reading that also judges a raise, the first forward keeps each
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ..loop.forward_checks import probe_loss, probe_loss_by_sequence
 from ..memory.shards import local_shard
 from ..memory.snapshot import WeightSnapshot
+
+if TYPE_CHECKING:
+    from ..loop.seam import HybridTrainer
 
 SPACING = 4.0  # c: the line is read at 0, 4 and 8 of today's steps, far enough to see a line several steps long
 # On an accelerator, elements per multi-tensor list where the largest parameter is smaller: a move's two temporaries
@@ -94,7 +99,7 @@ def _same_step_chunks(sizes: list[int], steps: list[float], bound: int) -> list[
 
 
 @torch.no_grad()
-def next_step_line(trainer, model: torch.nn.Module, shards: list[torch.Tensor], scratch: WeightSnapshot,
+def next_step_line(trainer: HybridTrainer, model: torch.nn.Module, shards: list[torch.Tensor], scratch: WeightSnapshot,
                    probe: dict, by_sequence: bool = False) -> tuple[list[torch.Tensor], torch.Tensor | None]:
     """The probe's loss at the weights W, at W + c*step and at W + 2c*step (c = SPACING), unreduced across ranks, and
     with `by_sequence` each sequence's loss at W (else None; also None where the loss cannot be split by sequence).

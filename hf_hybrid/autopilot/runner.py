@@ -93,7 +93,7 @@ class LrAutopilot:
         self.alignment.before_update(step, self.trainer.hybrid_engine.params)
 
     @property
-    def _scheduler(self):
+    def _scheduler(self) -> torch.optim.lr_scheduler.LRScheduler:
         return inner_scheduler(self.trainer)
 
     def _cooldown_start(self) -> int | None:

@@ -8,7 +8,10 @@ from typing import TYPE_CHECKING
 from .scale import LrScale
 
 if TYPE_CHECKING:
+    from torch.optim.lr_scheduler import LRScheduler
+
     from ..config import HybridConfig
+    from ..loop.seam import HybridTrainer
 
 
 def lr_autopilot_missing(config: HybridConfig) -> list[str] | None:
@@ -20,12 +23,12 @@ def lr_autopilot_missing(config: HybridConfig) -> list[str] | None:
                                  "--hybrid_guard_snapshot_steps > 0"]
 
 
-def inner_scheduler(trainer):
+def inner_scheduler(trainer: HybridTrainer) -> LRScheduler:
     """The Trainer's scheduler itself, unwrapped from accelerate's."""
     return getattr(trainer.lr_scheduler, "scheduler", trainer.lr_scheduler)
 
 
-def scalable_schedule(trainer) -> bool:
+def scalable_schedule(trainer: HybridTrainer) -> bool:
     """Whether the Trainer's scheduler scales with its base learning rates (a `LambdaLR`: every named schedule but
     `reduce_lr_on_plateau`)."""
     scheduler = inner_scheduler(trainer)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from transformers.utils import logging
@@ -24,6 +25,9 @@ from ..loop.seam import HybridTrainer
 from ..memory.host_memory import available_host_bytes, host_memory_warning, local_ranks, rollback_state_bytes
 from ..memory.snapshot import TrainingSnapshot, rng_state, snapshot_bytes
 from .rules import Action, GuardEvent, StepGuard
+
+if TYPE_CHECKING:
+    from transformers import TrainerControl
 
 logger = logging.get_logger(__name__)
 
@@ -69,7 +73,7 @@ class GuardAtLoop:
             due = self.snapshot_asked or not self.snapshot.valid  # a run resumed mid-trial takes its first one
             self.step_rng = rng_state() if due and self.raise_on_trial() else None
 
-    def vetoes(self, model, loss: float, grad_norm: float | None) -> bool:
+    def vetoes(self, model: torch.nn.Module, loss: float, grad_norm: float | None) -> bool:
         """The verdict on a real step; a flagged step is vetoed now and dealt with at the step's end."""
         trainer, guard, engine = self.trainer, self.guard, self.trainer.hybrid_engine
         step = trainer.state.global_step
@@ -154,7 +158,7 @@ class GuardAtLoop:
         if line is not None and self.trainer.args.local_process_index == 0:
             logger.warning(line)
 
-    def _reference_signals(self, model) -> tuple[torch.Tensor, torch.Tensor]:
+    def _reference_signals(self, model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """Loss and gradient norm of the last accepted step's batches at the current weights, over its whole
         accumulation window and on the scale of the Trainer's loss, as the guard saw them when it accepted that step:
         would they be flagged now, or did its own update raise their loss? One step's forward and backward, only on a
@@ -173,7 +177,7 @@ class GuardAtLoop:
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         return total, torch.nn.utils.get_total_norm(grads)
 
-    def end_step(self, control) -> str | None:
+    def end_step(self, control: TrainerControl) -> str | None:
         """At the step's end: carry out a pending verdict; returns what was done, for the trace."""
         if self.pending is None:
             return None
@@ -184,7 +188,7 @@ class GuardAtLoop:
         self._act(event, control)
         return event.action.value
 
-    def _act(self, event: GuardEvent, control) -> None:
+    def _act(self, event: GuardEvent, control: TrainerControl) -> None:
         """Carry out a flagged step's verdict: the skip is done (vetoed, made up); a rollback or a stop puts the last
         snapshot back and drops the batches since it. Then one warning line says what happened."""
         trainer, engine, snapshot = self.trainer, self.trainer.hybrid_engine, self.snapshot

@@ -13,7 +13,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from transformers import TrainerCallback
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from ..loop.seam import HybridTrainer
 from .controller import Phase
@@ -32,21 +32,21 @@ class JumpClock(TrainerCallback):
         self.trainer = trainer
         self.on_train_begin()
 
-    def on_train_begin(self, *args, **kwargs):
+    def on_train_begin(self, *args, **kwargs) -> None:
         """Each `train()` call is timed on its own."""
         self.started: tuple[float, float, bool] | None = None  # the step's start: time, payoff clock, a jump's first
         self.real: list[float] = []  # real steps that do not follow a jump
         self.jumps: list[list[float]] = []  # per jump: [its Predict steps' seconds, charge, the step after's seconds]
         self.open_jump: list[float] | None = None
 
-    def on_step_begin(self, args, state, control, **kwargs):
+    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs) -> None:
         engine = self.trainer.hybrid_engine
         if engine is not None:
             controller = engine.controller
             self.started = (time.perf_counter(), engine.payoff.clock,
                             controller.phase is Phase.PREDICT and controller.steps_in_phase == 0)
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs) -> None:
         engine = self.trainer.hybrid_engine
         if engine is None or engine.last_record is None or self.started is None:
             return

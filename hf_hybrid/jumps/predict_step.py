@@ -9,11 +9,15 @@ one forward serves both, so such a jump costs two forwards, not three.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..loop.forward_checks import predict_step_loss, probe_loss, probe_loss_by_sequence
 from ..loop.seam import HybridTrainer
+
+if TYPE_CHECKING:
+    from .engine import HybridEngine
 
 
 def predict_training_step(trainer: HybridTrainer, model: torch.nn.Module, inputs: dict,
@@ -71,7 +75,7 @@ def paired_noise(trainer: HybridTrainer, before: torch.Tensor | None, after: tor
 
 
 @torch.no_grad()
-def anchor_loss(trainer: HybridTrainer, model: torch.nn.Module, engine,
+def anchor_loss(trainer: HybridTrainer, model: torch.nn.Module, engine: HybridEngine,
                 probe_items: torch.Tensor | int | None) -> float:
     """The probe's loss at the outer cycle's start (the anchor A): one in-place move of the weights and one forward.
     The weights stay at A, where the jump reads it, so it is not brought from host memory twice."""

@@ -21,6 +21,8 @@ skips the trained batches, draws nothing that counts: the load replaces its draw
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 MAX_DRAWS = 4  # the iterator's base and shared seeds, and a RandomSampler's own seed
@@ -70,11 +72,11 @@ class EpochSeedDraw:
             self.before = torch.get_rng_state()
         self.handing_out(last_unit, real_step)  # its draws, if made before the load, were overwritten
 
-    def state_dict(self, queue) -> dict:
+    def state_dict(self, queue: Sequence[object]) -> dict:
         waiting = [i for i, unit in enumerate(queue) if unit is self.first_unit]
         return {"draws": self.draws, "queued_at": waiting[0] if waiting else None}
 
-    def load_state_dict(self, state: dict, queue) -> None:
+    def load_state_dict(self, state: dict, queue: Sequence[object]) -> None:
         if state["queued_at"] is not None:
             self.carried = (state["draws"], queue[state["queued_at"]])
 

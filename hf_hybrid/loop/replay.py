@@ -98,7 +98,7 @@ class BatchReplay:
         self.open = [move_unit(unit, device) for unit in state["open"]] if state["open"] is not None else None
 
 
-def move_unit(unit: Unit, device) -> Unit:
+def move_unit(unit: Unit, device: torch.device | str) -> Unit:
     batches, num_items = unit
     moved = [{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()} for batch in batches]
     return moved, num_items.to(device) if isinstance(num_items, torch.Tensor) else num_items

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 if TYPE_CHECKING:
+    from accelerate import Accelerator
+
     from ..config import HybridConfig
     from ..jumps.engine import HybridEngine
     from .step_veto import StepVeto
@@ -47,7 +49,7 @@ class HybridTrainer(Protocol):
         """A batch as the Trainer prepares it for the model (on its device)."""
 
 
-def mean_across_ranks(accelerator, device: torch.device, values: tuple) -> list[float]:
+def mean_across_ranks(accelerator: Accelerator, device: torch.device, values: tuple) -> list[float]:
     """`HybridTrainer.reduce_across_ranks` for a Trainer's accelerator and device."""
     # Under FSDP2 the gradient norm comes back as a DTensor, which cannot be stacked with plain tensors.
     values = [v.full_tensor() if hasattr(v, "full_tensor") else v for v in values]

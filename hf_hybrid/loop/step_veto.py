@@ -9,13 +9,25 @@ Trainer's run ends, at the same learning rate.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
-from transformers.trainer_callback import DefaultFlowCallback, ProgressCallback, TrainerCallback
+from transformers.trainer_callback import (
+    DefaultFlowCallback,
+    ProgressCallback,
+    TrainerCallback,
+    TrainerControl,
+    TrainerState,
+)
 from transformers.trainer_utils import IntervalStrategy, SaveStrategy
+from transformers.training_args import TrainingArguments
 from transformers.utils import logging
 
 from .seam import HybridTrainer
+
+if TYPE_CHECKING:
+    from ..jumps.engine import HybridEngine
 
 logger = logging.get_logger(__name__)
 
@@ -23,7 +35,7 @@ logger = logging.get_logger(__name__)
 class StepVeto:
     """The protocol for a vetoed or undone step, on a `transformers.Trainer`."""
 
-    def __init__(self, trainer) -> None:
+    def __init__(self, trainer: HybridTrainer) -> None:
         self.trainer = trainer
         self.last_step: int | None = None  # the last step the Trainer's epochs can reach (None: no limit)
         self.skipped_schedule: dict | None = None  # the schedule before a vetoed real step, given back at its end
@@ -89,7 +101,7 @@ class StepVeto:
         for bar in self._progress_bars():
             bar.set_postfix(phase=phase, refresh=False)
 
-    def set_epochs_end(self, train_dataloader) -> None:
+    def set_epochs_end(self, train_dataloader: torch.utils.data.DataLoader | None) -> None:
         """The optimizer step at which the Trainer's epoch loop ends, as `Trainer.set_initial_training_values`
         counts it; None when the data has no length (the loop then runs until max_steps)."""
         try:
@@ -123,10 +135,10 @@ class CountedStepSchedule(TrainerCallback):
     Placed right after `DefaultFlowCallback`, whose decisions it corrects; a save or an evaluation asked for by
     anything else (the end of training, the guard's stop, a callback further down) stands."""
 
-    def __init__(self, engine_of) -> None:
+    def __init__(self, engine_of: Callable[[], HybridEngine | None]) -> None:
         self.engine_of = engine_of  # the trainer's engine at call time (None with the hybrid off or between runs)
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs) -> None:
         engine = self.engine_of()
         if engine is None or control.should_training_stop or state.global_step >= state.max_steps:
             return

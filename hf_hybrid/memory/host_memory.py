@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from torch import Tensor
 
 from .snapshot import TrainingSnapshot
+
+if TYPE_CHECKING:
+    from ..jumps.engine import HybridEngine
 
 _GB = 1e9
 _MEMINFO, _OWN_CGROUPS, _CGROUP_ROOT = Path("/proc/meminfo"), Path("/proc/self/cgroup"), Path("/sys/fs/cgroup")
@@ -91,7 +94,7 @@ class RollbackStateBytes(NamedTuple):
     every_rank: int = 0  # the part of `at_most` that every rank holds alike, even where rank 0 keeps the rest for all
 
 
-def rollback_state_bytes(engine, snapshot: TrainingSnapshot) -> RollbackStateBytes:
+def rollback_state_bytes(engine: HybridEngine, snapshot: TrainingSnapshot) -> RollbackStateBytes:
     """On this rank: the predictor's host copies (none once it is released), the guard's copies of the optimizer's
     state (exact once it has taken them), the guard's own copy of the weights, and on an accelerator with
     `--hybrid_offload_snapshot` the jump's undo copy; none of the guard's and the predictor's where the placement put

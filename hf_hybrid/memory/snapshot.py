@@ -204,7 +204,9 @@ def _split_counters(tensors: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
     return [t for t in tensors if t.dim()], [t for t in tensors if not t.dim()]
 
 
-def _optimizer_entries(params: list[Tensor], optimizer: torch.optim.Optimizer):
+def _optimizer_entries(
+    params: list[Tensor], optimizer: torch.optim.Optimizer
+) -> tuple[list[tuple[int, str]], list[Tensor], list[tuple[int, str, object]]]:
     keys, tensors, scalars = [], [], []
     for i, p in enumerate(params):
         for key, value in optimizer.state.get(p, {}).items():
