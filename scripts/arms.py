@@ -101,7 +101,9 @@ def early_evaluations(trainer, every: int):
 
 
 def run_arm(arm: str, preset: dict, out_dir: Path, seed: int, hybrid_overrides: dict, budget: float,
-            target: float | None, hook_clock_on_gpu: bool) -> ArmResult:
+            target: float | None, hook_clock_on_gpu: bool, watchers: tuple = ()) -> ArmResult:
+    """One arm's run. `watchers`: callbacks added last, so that their step hooks see the hybrid's work done (an
+    experiment's instruments, outside the timed clock's view)."""
     import torch
     from timing import TrainingClock, add_optimizer_clock, spent_updates, time_hybrid_hooks, timed_trainer
     from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -180,6 +182,8 @@ def run_arm(arm: str, preset: dict, out_dir: Path, seed: int, hybrid_overrides: 
         trainer.add_callback(early_evaluations(trainer, preset["early_eval_steps"]))
     clock = TrainingClock(trainer, result, target, stop_at_target=hybrid, cuda=cuda)
     trainer.add_callback(clock)
+    for watcher in watchers:
+        trainer.add_callback(watcher)
     add_optimizer_clock(trainer, result, cuda)
     if cuda:
         torch.cuda.reset_peak_memory_stats()

@@ -3,7 +3,7 @@
 # important parts first, each part under its own time limit so that a slow one leaves the rest their turn.
 #
 #   CALL=1 bash scripts/gpu_session.sh   # scratch, then finetune (about 8 minutes on an H100 or H200, predicted)
-#   CALL=2 bash scripts/gpu_session.sh   # cost, placement, then scratch355 (about 5 minutes, predicted)
+#   CALL=2 bash scripts/gpu_session.sh   # cost, placement, first_reading, then scratch355 (about 5 minutes)
 #   PARTS="tests overhead" bash scripts/gpu_session.sh   # any parts, in the order below
 #   PRESET=smoke bash scripts/gpu_session.sh   # every part at tiny shapes on a CPU (tests/test_gpu_session.py)
 #
@@ -13,6 +13,7 @@
 #   finetune    a 124M pretrained inside the call (recipes/configs/gpt2-124m-pretrain.yaml), fine-tuned on another
 #               corpus at TrainingArguments' default 5e-5 with linear decay; the same arms, the reference at 6e-4
 #   cost        three alternating Trainer/hybrid pairs at the tuned 6e-4 with deterministic kernels
+#   first_reading  the hybrid at the tuned LR for 100 steps, each step profiled: where the first reading's time goes
 #   scratch355  GPT-2 medium's shape from scratch at a tenth of 3e-4, the Trainer and the hybrid
 #   tests exact ab overhead overhead_ga jumps faults   the earlier sessions' checks, on request
 # Logs, reports and traces go to $WORK, packed into $OUT/work.tgz; the suite's table is $OUT/summary.txt (the reply
@@ -47,8 +48,8 @@ else
 fi
 case "${CALL:-}" in
   1) DEFAULT_PARTS="scratch finetune" ;;
-  2) DEFAULT_PARTS="cost placement scratch355" ;;
-  *) DEFAULT_PARTS="scratch finetune cost placement scratch355" ;;
+  2) DEFAULT_PARTS="cost placement first_reading scratch355" ;;
+  *) DEFAULT_PARTS="scratch finetune cost placement first_reading scratch355" ;;
 esac
 PARTS=${PARTS:-$DEFAULT_PARTS}
 SUMMARY="$OUT/summary.txt"
@@ -76,6 +77,9 @@ part cost "${T_COST:-200}" $PY scripts/benchmark.py --preset "$PRESET" --repeats
   --max_steps "${COST_STEPS:-200}" --output_dir "$WORK/cost"
 # The rollback copies on the device and in pinned memory: where each went, and the two runs bit for bit equal.
 part placement "${T_PLACEMENT:-60}" $PY -m pytest -q -p no:cacheprovider tests/test_cuda_memory.py -k rollback_copies
+# Where the autopilot's first reading spends the second it took over later ones: each step profiled on its own.
+part first_reading "${T_FIRST:-60}" $PY scripts/first_reading.py --preset "$PRESET" --max_steps "${FIRST_STEPS:-100}" \
+  --output_dir "$WORK/first_reading" --out "$WORK/first_reading.json"
 part scratch355 "${T_355:-100}" $BENCH --preset "$MEDIUM" --lr_scale 0.1 --max_steps "${STEPS_355:-150}" \
   --output_dir "$WORK/scratch355"
 

@@ -19,12 +19,13 @@ PRETRAINED = ROOT / "runs" / "pretrained" / "gpt2-smoke"
 def test_the_gpu_suite_runs_every_part_on_the_smoke_presets(tmp_path):
     shutil.rmtree(PRETRAINED, ignore_errors=True)  # the fine-tuning part must make its checkpoint inside the call
     env = {**os.environ, "PRESET": "smoke", "NO_WHEELS": "1", "PY": sys.executable, "OUT": str(tmp_path / "out"),
-           "WORK": str(tmp_path / "work"), "SCRATCH_STEPS": "16", "COST_STEPS": "12", "STEPS_355": "12"}
+           "WORK": str(tmp_path / "work"), "SCRATCH_STEPS": "16", "COST_STEPS": "12", "STEPS_355": "12",
+           "FIRST_STEPS": "45"}
     done = subprocess.run(["bash", "scripts/gpu_session.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = (tmp_path / "out" / "summary.txt").read_text()
-    for part in ("scratch", "finetune", "cost", "scratch355"):
+    for part in ("scratch", "finetune", "cost", "first_reading", "scratch355"):
         assert f"== {part}: rc 0," in summary, summary
     assert (PRETRAINED / "config.json").exists()
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["suite.json", "summary.txt", "work.tgz"]
@@ -50,3 +51,7 @@ def test_the_gpu_suite_runs_every_part_on_the_smoke_presets(tmp_path):
     assert len(cost["equal_evals"]) == 3
     assert suite["scratch355"]["rows"][1]["learning_rate"] == pytest.approx(3e-4)
     assert "G upd" in done.stdout and "Mechanic" in done.stdout
+    # The first two readings and the step before each, each with the host work that took its time.
+    first = json.loads((tmp_path / "work" / "first_reading.json").read_text())
+    assert len(first["readings"]) == 2 and [row["reading"] for row in first["steps"]] == [False, True] * 2
+    assert all(row["seconds"] > 0 and row["top"] for row in first["steps"])
