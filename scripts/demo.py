@@ -196,7 +196,7 @@ def summary(faults_report: dict, speed: dict, swept: dict | None, out: Path, sec
         f"HybridHFTrainer (outer momentum) " + ("-" if times["hybrid"] is None else f"{times['hybrid']:.1f} s")
         + f": {result}",
         f"  {stats['predictions_kept']} of {stats['predictions_judged']} jumps kept, worth about "
-        f"{stats['jump_worth_steps']:.0f} real steps",
+        f"{stats['jump_worth_steps']:.0f} real steps" if stats["predictions_judged"] else "  no jump was judged",
     ]
     raised = speed["learning_rate"] * stats["lr_scale"]
     lines.append(f"  LR autopilot: {speed['learning_rate']:.2g} -> {raised:.2g} ({stats['lr_scale']:.1f}x; "
