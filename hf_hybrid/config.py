@@ -216,7 +216,8 @@ class HybridTrainingArguments(TrainingArguments):
     )
     hybrid_guard_snapshot_steps: int = field(
         default=50,
-        metadata={"help": "Steps between rollback snapshots (host memory; outer: also each cycle's start); 0 = none."},
+        metadata={"help": "Steps between rollback snapshots (on the device where they fit, else pinned host memory; "
+                          "outer: also each cycle's start); 0 = none."},
     )
     hybrid_guard_max_rollbacks: int = field(
         default=3, metadata={"help": "Rollbacks allowed before the run saves a checkpoint and stops."}

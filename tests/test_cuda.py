@@ -107,7 +107,7 @@ def test_trainer_under_accelerate_fsdp2(tmp_path, predictor):
 
 
 def test_guard_skip_under_fp16_keeps_the_loss_scale_and_rolls_back_exactly(tmp_out):
-    """A finite outlier leaves GradScaler's scale where it was; a rollback from pinned host memory is exact."""
+    """A finite outlier leaves GradScaler's scale where it was; a rollback from the guard's snapshot is exact."""
     from .test_guard import FaultPlan, guarded_trainer, train_recorded
 
     trainer = guarded_trainer(tmp_out, FaultPlan(window=(30, 32), spike_step=35), fp16=True, **ON_GPU)
@@ -146,11 +146,11 @@ class Readings:
 @pytest.mark.parametrize("optim", ["adamw_torch_fused", "adamw_torch"])
 def test_after_rejected_jumps_and_readings_training_is_the_trainers_bit_for_bit(tmp_path, monkeypatch, optim,
                                                                                predictor):
-    """The CPU suite's rejected-jumps test (test_safety.py) through the GPU's own paths: the outer state and the
-    guard's snapshot in pinned host memory with asynchronous copies, the CUDA dropout RNG, bf16 autocast, fused AdamW,
-    and the autopilot's readings (never a raise here). GPT-2 124M on one GPU ended its one pair 0.025-0.05 above its
-    Trainer, within what two plain runs there differ (docs/benchmarks-history.md, run 124): this settles whether any of
-    it is the hybrid's."""
+    """The CPU suite's rejected-jumps test (test_safety.py) through the GPU's own paths: the outer state and the guard's
+    snapshot on the device (where the placement puts it at 124M) with asynchronous copies, the CUDA dropout RNG, bf16
+    autocast, fused AdamW, and the autopilot's readings (never a raise here). GPT-2 124M on one GPU ended its one pair
+    0.025-0.05 above its Trainer, within what two plain runs there differ (docs/benchmarks-history.md, run 124): this
+    settles whether any of it is the hybrid's."""
     settings = dict(max_steps=100, lr_scheduler_type="linear", optim=optim, weight_decay=0.1, bf16=True,
                     full_determinism=True, **ON_GPU)
     plain = WeightsPerStep()

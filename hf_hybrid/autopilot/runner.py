@@ -6,10 +6,11 @@ The scale multiplies the schedule's base learning rates, so the Trainer's `Lambd
 weight decay is multiplied by the learning rate, so it scales with it, exactly as it would in a run started with the
 raised `--learning_rate`, which is what the end line tells the user to pass next time.
 
-A raise's undo point is the guard's snapshot (weights, optimizer state, schedule, RNG, in host memory), asked for at
-the first accepted step after the raise and held, with no periodic replacement, until the raise is judged: a trial
-costs no memory beyond the guard's. A checkpoint saved during a trial asks for a new snapshot as always (a resumed run
-takes that one too), so the undo point moves to the save and resumed and uninterrupted runs stay bit for bit equal.
+A raise's undo point is the guard's snapshot (weights, optimizer state, schedule, RNG; on the accelerator or in pinned
+host memory, memory/placement.py), asked for at the first accepted step after the raise and held, with no periodic
+replacement, until the raise is judged: a trial costs no memory beyond the guard's. A checkpoint saved during a trial
+asks for a new snapshot as always (a resumed run takes that one too), so the undo point moves to the save and resumed
+and uninterrupted runs stay bit for bit equal.
 An undone trial gives the batches since its undo point back to the data stream (loop/replay.py), as a rolled-back jump
 does: otherwise they would be skipped, and the run would follow another data order than the Trainer's and end apart
 from it (docs/benchmarks-history.md, "An undone trial gives its batches back").
