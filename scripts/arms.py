@@ -102,8 +102,8 @@ def early_evaluations(trainer, every: int):
 
 def run_arm(arm: str, preset: dict, out_dir: Path, seed: int, hybrid_overrides: dict, budget: float,
             target: float | None, hook_clock_on_gpu: bool, watchers: tuple = ()) -> ArmResult:
-    """One arm's run. `watchers`: callbacks added last, so that their step hooks see the hybrid's work done (an
-    experiment's instruments, outside the timed clock's view)."""
+    """One arm's run. `watchers`: an experiment's callbacks, added last, so that their step-end hooks run after the
+    hybrid's step-end work (a reading, a jump's verdict)."""
     import torch
     from timing import TrainingClock, add_optimizer_clock, spent_updates, time_hybrid_hooks, timed_trainer
     from transformers import Trainer, TrainerCallback, TrainingArguments

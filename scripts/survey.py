@@ -180,8 +180,9 @@ def rows(reports: Path, half: str) -> list[dict]:
 
 def late_g(user: float, swept: float, late: float) -> float:
     """G in updates of a run that follows the swept Trainer's path `late` updates after it, having gained nothing
-    before: what a rule can hope for whose evidence comes only after `late` updates. The updates are each Trainer's
-    to the user-LR Trainer's final loss."""
+    before. The updates are each Trainer's to the user-LR Trainer's final loss. A yardstick for what G asks, not a
+    ceiling: inside a long warmup the swept Trainer's own first updates are small, and a switch there loses less
+    (docs/benchmarks.md, "What G 0.9 asks")."""
     return math.log(user / (swept + late)) / math.log(user / swept)
 
 
