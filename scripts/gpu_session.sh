@@ -2,8 +2,8 @@
 # The GPU suite for one lent machine (15 device-minutes, starts included): two calls of under 10 minutes, the most
 # important parts first, each part under its own time limit so that a slow one leaves the rest their turn.
 #
-#   CALL=1 bash scripts/gpu_session.sh   # scratch, then finetune (about 8 minutes on an H100 or H200, predicted)
-#   CALL=2 bash scripts/gpu_session.sh   # cost, placement, first_reading, then scratch355 (about 5 minutes)
+#   CALL=1 BUDGET=580 bash scripts/gpu_session.sh   # scratch, then finetune (about 8 minutes, predicted)
+#   CALL=2 BUDGET=290 bash scripts/gpu_session.sh   # cost, placement, first_reading, then scratch355 as time allows
 #   PARTS="tests overhead" bash scripts/gpu_session.sh   # any parts, in the order below
 #   PRESET=smoke bash scripts/gpu_session.sh   # every part at tiny shapes on a CPU (tests/test_gpu_session.py)
 #
@@ -21,6 +21,7 @@
 #
 # Wheels the machine lacks travel in .whl/ (ignored by git; name it in the call's carry): `bash scripts/gpu_wheels.sh`.
 set -u
+CALL_START=$(date +%s)  # BUDGET counts from here, the wheels' install included
 OUT=${OUT:-/tmp/gpu_out}
 PRESET=${PRESET:-gpt2-124m}
 WORK=${WORK:-/tmp/gpu_work}
@@ -54,10 +55,22 @@ esac
 PARTS=${PARTS:-$DEFAULT_PARTS}
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
+# BUDGET (seconds, 0 = none): the call's own limit. A part gets at most what is left of it, less FINISH seconds for
+# the summary and the archive, and is skipped when under MIN_PART are left: a call cut off by the machine's timeout
+# would bring back no archive at all.
+BUDGET=${BUDGET:-0} FINISH=${FINISH:-20} MIN_PART=${MIN_PART:-15}
 part() {  # part NAME SECONDS COMMAND...: runs COMMAND with a limit, its log in $WORK/logs/NAME.log
-  local name=$1 limit=$2 start rc
+  local name=$1 limit=$2 start rc left
   shift 2
   case " $PARTS " in *" $name "*) ;; *) return ;; esac
+  if [ "$BUDGET" -gt 0 ]; then
+    left=$(( BUDGET - FINISH - ($(date +%s) - CALL_START) ))
+    if [ "$left" -lt "$MIN_PART" ]; then
+      echo "== $name: skipped, ${left} s of the call's budget left" | tee -a "$SUMMARY"
+      return
+    fi
+    [ "$left" -lt "$limit" ] && limit=$left
+  fi
   start=$(date +%s)
   timeout "$limit" "$@" > "$WORK/logs/$name.log" 2>&1
   rc=$?

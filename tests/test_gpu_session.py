@@ -55,3 +55,14 @@ def test_the_gpu_suite_runs_every_part_on_the_smoke_presets(tmp_path):
     first = json.loads((tmp_path / "work" / "first_reading.json").read_text())
     assert len(first["readings"]) == 2 and [row["reading"] for row in first["steps"]] == [False, True] * 2
     assert all(row["seconds"] > 0 and row["top"] for row in first["steps"])
+
+
+def test_a_part_past_the_calls_budget_is_skipped_and_the_call_still_packs_its_archive(tmp_path):
+    env = {**os.environ, "PRESET": "smoke", "NO_WHEELS": "1", "PY": sys.executable, "OUT": str(tmp_path / "out"),
+           "WORK": str(tmp_path / "work"), "PARTS": "cost scratch355", "BUDGET": "30"}
+    done = subprocess.run(["bash", "scripts/gpu_session.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    assert "== cost: skipped, " in summary and "== scratch355: skipped, " in summary, summary
+    assert (tmp_path / "out" / "work.tgz").exists()
