@@ -122,7 +122,8 @@ class HybridTrainingArguments(TrainingArguments):
             the rollback copies may take there: the guard's snapshot and the outer predictor's anchor and momentum,
             up to 5x the parameters' bytes with AdamW. Where they fit, they stay on the GPU and every copy is a
             device-to-device one; otherwise they go to pinned host memory, which costs no device memory but a copy
-            over the host link each time. A line at the start says which. 0 keeps them on the host.
+            over the host link each time. Through step 10 the autopilot's copy of the start weights (1x more) joins
+            them on the GPU where it fits too. A line at the start says which. 0 keeps them on the host.
         hybrid_guard (`bool`, defaults to `True`):
             Guard every real optimizer step. A step whose loss or gradient norm is not finite, or is an outlier
             against the recent steps, is skipped: its update is vetoed (weights, optimizer state, learning-rate

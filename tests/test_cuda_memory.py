@@ -175,3 +175,34 @@ def test_the_rollback_copies_sit_on_the_gpu_where_they_fit_and_the_run_is_the_pi
     assert {(name, pinned) for name, _, pinned in runs["pinned"][1]} == {("anchor", True), ("momentum", True),
                                                                         ("moments", True)}
     assert_bit_identical(runs["device"][0], runs["pinned"][0])
+
+
+class StartCopyPlace(TrainerCallback):
+    """At each step's end: where the autopilot's start weights are, as (step, device type, pinned), while it holds
+    them."""
+
+    def __init__(self) -> None:
+        self.trainer, self.seen = None, []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        start = self.trainer._lr_autopilot.alignment.start
+        if start.valid:
+            self.seen.append((state.global_step, start.tensors[0].device.type, start.tensors[0].is_pinned()))
+
+
+def test_the_autopilots_start_weights_join_the_rollback_copies_on_the_gpu_and_the_alignment_reads_the_same(tmp_path):
+    """Taken pinned at the first step, before the run's copies are placed; from the second on the device where the
+    rollback copies went there, in pinned host memory where they did not, read to the same mean and weights."""
+    runs = {}
+    for name, share in (("device", 0.1), ("pinned", 0.0)):
+        place = StartCopyPlace()
+        trainer = make_trainer(tmp_path / name, hybrid_predictor="outer", hybrid_warmup_steps=100, max_steps=12,
+                               hybrid_device_copies_share=share, full_determinism=True, **ON_GPU)
+        place.trainer = trainer
+        trainer.add_callback(place)
+        trainer.train()
+        runs[name] = (state(trainer.model), place.seen, trainer._lr_autopilot.alignment.mean)
+    assert runs["device"][1] == [(1, "cpu", True), *((step, "cuda", False) for step in range(2, 10))]
+    assert runs["pinned"][1] == [(step, "cpu", True) for step in range(1, 10)]
+    assert runs["device"][2] == runs["pinned"][2] != 0.0
+    assert_bit_identical(runs["device"][0], runs["pinned"][0])

@@ -16,13 +16,14 @@ first descent); the verdict judges it as any other (docs/benchmarks.md, "Raising
 a good LR, aligned but reading a short line, is not raised. A run whose mean reads below OPPOSED starts no raise at all:
 its steps already overshoot.
 
-Costs one copy of the weights from the first update to LAST_STEP, then released: in pinned host memory on an
-accelerator, so that it adds nothing to the device's peak in the steps that also take the guard's first snapshots, and
-comes in over the host link once per step inside the window. A checkpoint saved inside the window carries it, so a
-resumed run reads the same mean. Three dot products per step inside the window and no forward; each step's cosine is
-summed on the device, and the mean is read on the host once, at the first reading that asks for it, so a real step
-makes no extra host read. Under DDP and FSDP2 each rank reads its own shards and the sums are added across
-ranks (a common factor under DDP, which the cosine ignores).
+Costs one copy of the weights from the first update to LAST_STEP, then released. On an accelerator it is taken into
+pinned host memory, since where the run's copies go is decided at the next step, once the optimizer's state exists;
+from there it sits on the device where it fits beside the rollback copies in their share (memory/placement.py), and
+stays pinned otherwise, coming in over the host link once per step inside the window. A checkpoint saved inside the
+window carries it, so a resumed run reads the same mean. Three dot products per step inside the window and no forward;
+each step's cosine is summed on the device, and the mean is read on the host once, at the first reading that asks for
+it, so a real step makes no extra host read. Under DDP and FSDP2 each rank reads its own shards and the sums are added
+across ranks (a common factor under DDP, which the cosine ignores).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..memory.placement import CopyPlacement
 from ..memory.shards import local_shard
 from ..memory.snapshot import WeightSnapshot
 
@@ -48,10 +50,17 @@ OPPOSED = 0.0
 class StartAlignment:
     """The alignment's mean over the window, and the verdict it gives once the window has closed."""
 
-    def __init__(self) -> None:
+    def __init__(self, params: list[torch.Tensor], placement: CopyPlacement, steps_done: int = 0) -> None:
+        """`steps_done`: the optimizer steps the run has made, more than 0 where it resumes from a checkpoint."""
         self.start = WeightSnapshot(on_host=True)  # the weights before the first update
+        self.placement = placement
         self.window: torch.Tensor | None = None  # on the weights' device: the cosines' sum and how many were read
-        self.closed = False
+        # A resumed run places its copies as it loads, before this part loads its own state: so whether the window
+        # is still open is known from the steps made, and the copy's bytes from the weights.
+        self.closed = steps_done >= LAST_STEP
+        start_bytes = sum(local_shard(p).numel() * local_shard(p).element_size() for p in params)
+        placement.expect_brief(lambda: 0 if self.closed else start_bytes,
+                               f"the autopilot's start weights through step {LAST_STEP}")
         self._read: tuple[float, float] | None = None  # the window's sums on the host, once read
 
     @torch.no_grad()
@@ -62,6 +71,8 @@ class StartAlignment:
         weights = [local_shard(p) for p in params]
         if not self.start.valid:
             self.start.capture(weights)
+        elif self.start.tensors[0].is_pinned() and self.placement.brief_copy_on(weights[0].device):
+            self.start.move_to(weights[0].device)
         if self.window is None:
             self.window = torch.zeros(2, dtype=torch.float64, device=weights[0].device)
         if FIRST_STEP <= step <= LAST_STEP:

@@ -71,7 +71,8 @@ class LrAutopilot:
         self.probe: dict | None = None  # the run's first micro-batch, read at every reading
         # The weights while a reading or a verdict moves them, held only meanwhile; placed as a jump's undo copy.
         self.scratch = WeightSnapshot(on_host=trainer.hybrid_config.jumps.offload_snapshot)
-        self.alignment = StartAlignment()
+        engine = trainer.hybrid_engine
+        self.alignment = StartAlignment(engine.params, engine.placement, trainer.state.global_step)
         self.last_reading = 0  # the global step of the last reading
         self.read_every = READ_EVERY
         self.last_line: tuple[float, float, float] | None = None  # for the step trace

@@ -64,6 +64,18 @@ class WeightSnapshot:
     def release(self) -> None:
         self.tensors, self.valid, self.adopted = None, False, False
 
+    @torch.no_grad()
+    def move_to(self, device: torch.device) -> None:
+        """Keep the copy on `device` from now on: one copy across; pinned buffers then go back to the system, once the
+        copy has read them (one device synchronization), rather than staying reserved for reuse."""
+        old = self.settled()
+        self.tensors = [t.to(device, non_blocking=True) for t in old]
+        self.on_host, self.placement, self.adopted = False, None, False
+        if old[0].is_pinned():
+            torch.cuda.current_stream(device).synchronize()
+            del old
+            release_cached_pinned_memory()
+
     def settled(self) -> list[Tensor]:
         """The copy, to read: a device-to-host copy may still be arriving."""
         self._copies.wait()
@@ -71,7 +83,7 @@ class WeightSnapshot:
 
     def state_dict(self) -> dict:
         """The copy as it stands, for a checkpoint that is written at once: host buffers are handed over, not cloned,
-        so saving adds no memory."""
+        so saving adds no memory (a copy on the accelerator is copied out)."""
         self._copies.wait()  # the host copy may still be arriving
         tensors = [t.detach().cpu() for t in self.tensors] if self.valid and self.tensors else None
         return {"valid": self.valid, "tensors": tensors}
