@@ -6,6 +6,7 @@ arm at the LR a user types beside the Trainer at the swept LR, and G, the share 
     python scripts/survey.py run scratch-2x128-docs-constant --seed 1     # the arms at the user's LR
     python scripts/survey.py check scratch-2x128-docs-constant            # the hybrid from the user's LR to the swept
     python scripts/survey.py table --half tune                             # G per setting and arm
+    python scripts/survey.py readings --half all                           # what the readings cost at the swept LR
 
 Reports are kept in docs/survey/ (`--reports`): NAME-sweep-seedS.json, NAME-user-seedS.json and
 NAME-hybrid-seedS.json (`check`: the hybrid alone at each grid LR from the user's to about 3x the swept, against the
@@ -218,13 +219,37 @@ def table(args) -> None:
         Path(args.json).write_text(json.dumps(found, indent=2))
 
 
+def readings(args) -> None:
+    """Seed 0's hybrid at the swept LR (the never-worse check's run there): its readings, and their forwards as a
+    share of the run's compute in forward-equivalents: a reading is 3 forwards of one micro-batch, 1 more where it
+    judges a raise; an update is a forward and a backward (about 2 forwards) of each micro-batch it accumulates. A
+    proxy on any machine for what the readings add to a tuned run; the wall clock's share differs where a step is
+    host-bound (docs/benchmarks.md, "The readings' compute at the swept LR")."""
+    reports = Path(args.reports)
+    print("The readings at the swept LR (seed 0): forwards as a share of the run's forward-equivalents")
+    for name, setting in settings().items():
+        kept = reports / f"{name}-hybrid-seed0.json"
+        if args.half != "all" and setting["half"] != args.half or not kept.exists():
+            continue
+        swept = user_and_swept_lr(name, reports)[1]
+        run = next((r for r in json.loads(kept.read_text())["runs"] if r["learning_rate"] == swept), None)
+        if run is None:
+            continue
+        stats = run["hybrid_stats"]
+        judged = stats["lr_raises_kept"] + stats["lr_trials_undone"]
+        share = (3 * stats["lr_readings"] + judged) / (3 * stats["backward_steps"] * setting["grad_accum"])
+        print(f"  {name:38} {setting['half']:6} swept {swept:<7g} updates {stats['backward_steps']:4} x "
+              f"{setting['grad_accum']} micro-batches, readings {stats['lr_readings']:2}, raises judged {judged}: "
+              f"{100 * share:.1f}%")
+
+
 def _g(value: float | None, digits: int = 2, sign: str = "") -> str:
     return "-" if value is None else f"{value:{sign}.{digits}f}"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["list", "sweep", "run", "check", "table"])
+    parser.add_argument("command", choices=["list", "sweep", "run", "check", "table", "readings"])
     parser.add_argument("setting", nargs="?")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--half", choices=["tune", "report", "all"], default="tune")
@@ -244,6 +269,8 @@ def main() -> None:
             print(f"{setting['half']:6} {name:38} user LR {setting['user_lr'] or 'a tenth of the swept'}")
     elif args.command == "table":
         table(args)
+    elif args.command == "readings":
+        readings(args)
     elif args.setting not in settings():
         sys.exit(f"survey: unknown setting {args.setting!r}; `survey.py list` names them")
     else:

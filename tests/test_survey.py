@@ -67,6 +67,12 @@ def test_a_setting_is_swept_then_run_at_a_tenth_of_its_swept_lr(tmp_path):
     hybrid = json.loads((tmp_path / "reports" / f"{name}-hybrid-seed0.json").read_text())
     assert [r["learning_rate"] for r in hybrid["runs"]] == [swept] and hybrid["arm"] == "hybrid"
     assert hybrid["runs"][0]["hybrid_stats"]["lr_scale"] == 1.0 and "difference +0.0000" in checked
+    # What the readings cost there, in forwards of a micro-batch: 3 a reading and 1 a judged raise, over 3 an update's
+    # micro-batch. (The 8-step run read nothing; the counts of a longer one are put in its place.)
+    hybrid["runs"][0]["hybrid_stats"].update(lr_readings=6, backward_steps=200, lr_raises_kept=1, lr_trials_undone=1)
+    (tmp_path / "reports" / f"{name}-hybrid-seed0.json").write_text(json.dumps(hybrid))
+    cost = survey("readings", "--half", "all", *where[:4])
+    assert f"{name}" in cost and "updates  200 x 1 micro-batches, readings  6, raises judged 2: 3.3%" in cost
     # Another seed: its own Trainer at the LR checked, against which its hybrid is judged; seed 0's reports stay.
     survey("sweep", name, "--seed", "1", "--learning_rates", f"{swept:g}", *where)
     checked = survey("check", name, "--seed", "1", "--learning_rates", f"{swept:g}", *where)
