@@ -1,5 +1,5 @@
 # Two commands on a fresh machine: `make demo` (set up, then the guard against injected faults and the speed A/B at the
-# learning rate a user runs without a sweep, about 3 minutes on 2 cores) and `make test`.
+# learning rate a user runs without a sweep, under 2 minutes on 2 cores) and `make test`.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -12,7 +12,7 @@ export TOKENIZERS_PARALLELISM := false
 # pip's own chatter (and setuptools' notice that an editable install imports from this folder, which is the point of
 # it) goes to the log; a failure prints it.
 $(BIN)/.installed: pyproject.toml
-	@echo "installing into $(VENV) (about 2 minutes; log: $(VENV)/install.log)"
+	@echo "installing into $(VENV) (about a minute; log: $(VENV)/install.log)"
 	@$(PYTHON) -m venv $(VENV)
 	@# The CPU wheel first; the `torch>=2.4` requirement is then already satisfied.
 	@( $(BIN)/pip install -q --upgrade pip && $(BIN)/pip install -q torch==2.13.0 && \

@@ -77,12 +77,12 @@ class HybridTrainingArguments(TrainingArguments):
             (opposed), no raise starts at all. Each raise is judged at the next reading, on the probe, against the
             point the user's LR would have reached over the same batches (two forwards), and undone bit for bit (to
             the guard's snapshot) when it did worse by more than `hybrid_probe_noise_margin`. No raise in the
-            schedule's warmup or the 10 steps after it (unless the first steps read aligned: then from step 10), its
-            final decay, the last 10 steps, or before the third reading after a step the guard flagged. Where the
-            schedule has no decay of its own (constant), a raised scale returns to 1 over the run's last fifth, and
-            no raise starts in the 10 steps before that. Needs the guard's snapshots, an Adam-family optimizer and a
-            schedule that scales with its base learning rate (not `reduce_lr_on_plateau`). `False` keeps
-            `--learning_rate` exactly.
+            schedule's warmup or the 10 steps after it (unless the first steps read aligned: then from step 10), once
+            it has decayed below half its peak, in the last 10 steps, or before the third reading after a step the
+            guard flagged; a guard rollback halves a raised scale. Where the schedule has no decay of its own
+            (constant), a raised scale returns to 1 over the run's last fifth, and no raise starts in the 10 steps
+            before that. Needs the guard's snapshots, an Adam-family optimizer and a schedule that scales with its
+            base learning rate (not `reduce_lr_on_plateau`). `False` keeps `--learning_rate` exactly.
         hybrid_monitor_interval (`int`, defaults to `1`):
             Run a forward pass to check the loss on every N-th predicted step (and always on a phase's last);
             skipped steps cost almost nothing but are unchecked until the next check.
