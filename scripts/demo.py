@@ -200,7 +200,7 @@ def summary(faults_report: dict, speed: dict, swept: dict | None, out: Path, sec
     ]
     raised = speed["learning_rate"] * stats["lr_scale"]
     lines.append(f"  LR autopilot: {speed['learning_rate']:.2g} -> {raised:.2g} ({stats['lr_scale']:.1f}x; "
-                 f"{stats['lr_raises_kept']} raises kept, {stats['lr_trials_undone']} undone)")
+                 f"{stats['lr_raises_kept']} kept, {stats['lr_trials_undone']} undone)")
     if swept is not None:
         lines.append(f"  at the swept LR (recorded: {swept['path']}): {swept['result']}")
     if (finetune := recorded_finetune()) is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from hf_hybrid.jumps.lr_advice import jump_advice
+from hf_hybrid.jumps.lr_advice import jump_advice, jump_summary
 
 from .conftest import make_trainer
 
@@ -52,3 +52,18 @@ def test_rolled_back_jumps_call_the_weights_the_trainers_only_when_nothing_else_
     # A kept raise of the learning rate (the autopilot's line says so) or a step the guard flagged: not the Trainer's.
     for moved in ({"lr_scale": 10.0}, {"guard_outliers": 2}, {"guard_rollbacks": 1}):
         assert jump_advice({**stats, **moved}, 5e-5) == ["hf_hybrid: all 1 jumps were rolled back."]
+
+
+def test_the_jump_line_says_the_weights_are_the_trainers_only_where_every_jump_was_undone_and_nothing_else_moved():
+    quiet = dict(predictions_judged=0, predictions_kept=0, turns_passed=0, lr_scale=1.0, guard_outliers=0,
+                 guard_rollbacks=0, backward_steps=300)
+    assert jump_summary(quiet) is None
+    assert jump_summary({**quiet, "turns_passed": 1}) == (
+        "hf_hybrid: no jump was tried; 1 turn to jump passed: the probe along the optimizer's next step said its steps "
+        "were long enough.")
+    assert "; 3 turns to jump passed:" in jump_summary({**quiet, "turns_passed": 3})
+    undone = {**quiet, "predictions_judged": 3}
+    assert jump_summary(undone) == ("hf_hybrid: all 3 jumps were rolled back, so these weights are the plain Trainer's "
+                                    "steps.")
+    for moved in ({"lr_scale": 2.0}, {"guard_outliers": 1}, {"guard_rollbacks": 1}):
+        assert jump_summary({**undone, **moved}) == "hf_hybrid: all 3 jumps were rolled back."

@@ -26,7 +26,7 @@ def test_a_raise_still_on_trial_at_the_end_is_named_and_only_the_judged_lr_advis
 
 def test_a_raise_brought_back_by_the_cooldown_is_not_advised():
     line = end_line(LrScale(scale=2.0, raises_kept=1), RunEnd(**{**vars(RUN), "cooldown_steps": 20}))
-    assert line == ("hf_hybrid: raised the learning rate 2.0x: 0.0001 -> 0.0002 (1 raises kept, 0 undone), and brought "
+    assert line == ("hf_hybrid: raised the learning rate 2.0x: 0.0001 -> 0.0002 (1 raise kept, 0 undone), and brought "
                     "it back to 0.0001 over the last 20 steps, since this schedule has no decay of its own; a constant "
                     "0.0002 is not advised: a higher constant learning rate can end a run higher.")
 

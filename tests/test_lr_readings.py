@@ -145,7 +145,7 @@ def test_no_raise_starts_where_the_run_would_end_before_its_verdict(tmp_out, mon
     scale.trial_from, scale.scale = 4.0, 10.0
     assert trainer._lr_autopilot.summary() == (
         "hf_hybrid: training ended before a 2.5x raise of the learning rate (0.0004 -> 0.001) could be judged (1 "
-        "raises kept, 0 undone); pass --learning_rate 0.0004 next time.")
+        "raise kept, 0 undone); pass --learning_rate 0.0004 next time.")
     scale.trial_from, scale.scale = 1.0, 4.0
     assert trainer._lr_autopilot.summary().endswith("--learning_rate 0.0001 stands.")
 

@@ -22,7 +22,7 @@ class RunEnd:
 def end_line(scale: LrScale, run: RunEnd) -> str | None:
     s, user = scale, run.user_lr
     raised = user * s.scale
-    tried = f"{s.raises_kept} raises kept, {s.trials_undone} undone"
+    tried = f"{s.raises_kept} raise{'' if s.raises_kept == 1 else 's'} kept, {s.trials_undone} undone"
     if s.on_trial:  # the run ended before the verdict (a jump held the reading back): advise only what was judged
         judged = user * s.trial_from
         advice = (f"pass --learning_rate {judged:.2g} next time" if s.trial_from != 1.0 else

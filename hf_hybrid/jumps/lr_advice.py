@@ -17,7 +17,8 @@ MIN_SPEEDUP = 1.1  # kept jumps must be worth at least a tenth of the run's real
 def jump_summary(stats: dict) -> str | None:
     """One line on what the kept jumps gained and how many turns to jump passed, or None when neither happened."""
     judged, kept, passed = stats["predictions_judged"], stats["predictions_kept"], stats["turns_passed"]
-    held = f"{passed} turns to jump passed: the probe along the optimizer's next step said its steps were long enough"
+    held = (f"{passed} turn{'' if passed == 1 else 's'} to jump passed: the probe along the optimizer's next step said "
+            "its steps were long enough")
     if not judged:
         return f"hf_hybrid: no jump was tried; {held}." if passed else None
     if not kept:
