@@ -57,8 +57,8 @@ def pretrained_checkpoint(preset: dict) -> str:
     return str(path)
 
 
-def plain_training_args(preset: dict, learning_rate: float, out_dir: str, **extra):
-    """The preset's `TrainingArguments` for a plain Trainer on the CPU at `learning_rate`, seed 0, logging nothing:
+def plain_training_args(preset: dict, learning_rate: float, out_dir: str, seed: int = 0, **extra):
+    """The preset's `TrainingArguments` for a plain Trainer on the CPU at `learning_rate` and `seed`, logging nothing:
     the experiments that watch a run from a callback (early_lines.py, raise_ceiling.py)."""
     from transformers import TrainingArguments
 
@@ -67,5 +67,5 @@ def plain_training_args(preset: dict, learning_rate: float, out_dir: str, **extr
         gradient_accumulation_steps=preset["grad_accum"], learning_rate=learning_rate,
         lr_scheduler_type=preset["scheduler"], lr_scheduler_kwargs=preset["scheduler_kwargs"],
         warmup_steps=preset["warmup_steps"], weight_decay=preset["weight_decay"], optim=preset["optim"],
-        save_strategy="no", report_to="none", seed=0, data_seed=0, disable_tqdm=True, use_cpu=True,
+        save_strategy="no", report_to="none", seed=seed, data_seed=seed, disable_tqdm=True, use_cpu=True,
         logging_steps=10**6, **extra)

@@ -6,11 +6,11 @@ switched there recovers bounds what any rule of readings can recover in that set
     python scripts/raise_ceiling.py --settings finetune-docs-linear,finetune-docs-constant-batch16 --at 10,16 \
         --scale 32 --out docs/reports/issue49-raise-ceiling-finetunes-32x.json
 
-Per setting (its run at the user's LR in docs/survey/, `NAME-user-seed0.json`, gives the user's and the swept LR and
-the two Trainers' evaluations, early ones included): the plain Trainer at the user's LR, its schedule's base LRs
-multiplied by swept / user (or `--scale`) at each `--at` step (default: where the first raise may start, and one
-reading later), evaluated where that report's runs were; G in updates as survey.py computes it, to the user-LR
-Trainer's final loss.
+Per setting (its run at the user's LR in docs/survey/, `NAME-user-seedS.json` for `--seed S`, gives the user's and
+the swept LR and the two Trainers' evaluations, early ones included): the plain Trainer at the user's LR, its
+schedule's base LRs multiplied by swept / user (or `--scale`) at each `--at` step (default: where the first raise may
+start, and one reading later), evaluated where that report's runs were; G in updates as survey.py computes it, to the
+user-LR Trainer's final loss.
 """
 
 from __future__ import annotations
@@ -28,13 +28,13 @@ from report import UPDATES, time_to
 from hf_hybrid.autopilot.runner import FIRST_DESCENT_STEPS, READ_EVERY
 
 
-def switched_run(preset: dict, user: float, scale: float, at: int, out_dir: str) -> list[list[float]]:
+def switched_run(preset: dict, user: float, scale: float, at: int, out_dir: str, seed: int = 0) -> list[list[float]]:
     """The Trainer at `user`, its schedule scaled by `scale` from step `at` on: its evaluations as the benchmark
     records them ([step, seconds, loss, updates])."""
     from transformers import Trainer, TrainerCallback
 
-    model, datasets, eval_set = build_model_and_data(preset, 0)
-    args = plain_training_args(preset, user, out_dir, eval_strategy="steps", eval_steps=preset["eval_steps"],
+    model, datasets, eval_set = build_model_and_data(preset, seed)
+    args = plain_training_args(preset, user, out_dir, seed=seed, eval_strategy="steps", eval_steps=preset["eval_steps"],
                                per_device_eval_batch_size=max(preset["batch_size"], 16), eval_on_start=True)
     evals: list[list[float]] = []
 
@@ -71,20 +71,23 @@ def main() -> None:
                                                  "at, and one reading later)")
     parser.add_argument("--scale", type=float, default=0.0, help="the multiplier switched to (default: swept / user)")
     parser.add_argument("--reports", default=str(Path(__file__).resolve().parent.parent / "docs" / "survey"))
+    parser.add_argument("--seed", type=int, default=0, help="the seed of the run at the user's LR read, and of the "
+                                                                "switched Trainer's init and data order")
     parser.add_argument("--out", default="runs/raise-ceiling.json")
     args = parser.parse_args()
     rows = []
     for name in args.settings.split(","):
         preset = PRESETS[f"survey-{name}"]
-        report = json.loads((Path(args.reports) / f"{name}-user-seed0.json").read_text())
+        report = json.loads((Path(args.reports) / f"{name}-user-seed{args.seed}.json").read_text())
         user, swept = report["learning_rate"], report["swept_learning_rate"]
         base, best = report["baseline"][0]["evals"], report["swept"][0]["evals"]
         target = report["target_eval_loss"]
         scale = args.scale or swept / user
         first = preset["warmup_steps"] + FIRST_DESCENT_STEPS
         for at in [int(a) for a in args.at.split(",")] if args.at else [first, first + READ_EVERY]:
-            evals = switched_run(preset, user, scale, at, f"runs/raise-ceiling/{name}-{at}")
-            row = {"setting": name, "half": preset["half"], "learning_rate": user, "swept_learning_rate": swept,
+            evals = switched_run(preset, user, scale, at, f"runs/raise-ceiling/{name}-{at}", args.seed)
+            row = {"setting": name, "seed": args.seed, "half": preset["half"], "learning_rate": user,
+                   "swept_learning_rate": swept,
                    "scale": scale, "switched_at": at, "target": target,
                    "g_updates": g_in_updates(base, evals, best, target),
                    "updates_to_target": time_to(evals, target, UPDATES), "final_eval_loss": evals[-1][2],
