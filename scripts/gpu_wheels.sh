@@ -9,6 +9,6 @@ cd "$(dirname "$0")/.."
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
-  transformers==5.23.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 schedulefree prodigyopt \
+  transformers==5.24.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 schedulefree prodigyopt \
   mechanic-pytorch==0.0.1
 du -sh .whl
