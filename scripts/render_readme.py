@@ -5,8 +5,9 @@ that no number in it is typed by hand.
     python scripts/render_readme.py --check    # exit 1 when README.md's table is not what this renders
     python scripts/render_readme.py --write    # rewrite README.md's table
 
-One row per setting that has a report at the LR a user types (NAME-user-seedS.json): the report half first, then the
-tuning half, each in survey_settings.py's order, at most MAX_ROWS. A setting with no such report is left out.
+One row per setting that has a report at the LR a user types (NAME-user-seedS.json): the fresh settings first, then
+the report half, then the tuning half, each in survey_settings.py's order, at most MAX_ROWS. A setting with no such
+report is left out.
 
 A report is current when its environment's behaviour_version is hf_hybrid.BEHAVIOUR_VERSION (the library raises it
 with every change that moves a run). A row's numbers come from current reports only, evaluated on the setting's
@@ -35,7 +36,7 @@ from survey_settings import at_current_version, counts_now, survey_settings  # n
 README = REPO / "README.md"
 SURVEY = REPO / "docs" / "survey"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
-MAX_ROWS = 12  # the survey has 12 settings: every one with runs is shown, the weak ones too
+MAX_ROWS = 14  # the survey has 14 settings: every one with runs is shown, the weak ones too
 NOT_MEASURED = "not measured at the current version"
 PEERS = {"prodigy": "Prodigy", "mechanic": "Mechanic", "sf": "schedule-free AdamW"}
 HEADER = ("| setting (half): the user's LR (the swept) | Trainer at the user's LR; at the swept LR | hybrid "
@@ -44,7 +45,8 @@ HEADER = ("| setting (half): the user's LR (the swept) | Trainer at the user's L
 CAPTION = ("Rendered by `scripts/render_readme.py` from the LR-autopilot survey's reports (`docs/survey/`, "
            "`scripts/survey.py`), on a CPU, each setting at the LR a user types: `TrainingArguments`' 5e-5 to "
            "fine-tune, a tenth of the swept LR from scratch (the swept LR: the best final loss over a coarse grid of "
-           "the Trainer's LRs). (report) rows come from the half set aside before any tuning and not tuned on (it was "
+           "the Trainer's LRs). (fresh) rows come from settings written after the tuning ended and run once, "
+           "(report) rows from the half set aside before any tuning and not tuned on (it was "
            "run between tuning rounds, and two gates were set with some of its readings in view: Known limits), (tune) "
            "rows from the half it was tuned on. An arm's cell: the Trainer's updates to "
            "its own final loss over the arm's (for the hybrid, wall clock in brackets), then the arm's held-out loss "
@@ -153,7 +155,7 @@ def _never_worse(name: str, reports: Path) -> tuple[str, list[Path]]:
 def rows(reports: Path = SURVEY) -> list[Row]:
     """The table's rows, in order, each with the reports its numbers come from."""
     settings = survey_settings({})
-    ordered = [n for half in ("report", "tune") for n, s in settings.items() if s["half"] == half]
+    ordered = [n for half in ("fresh", "report", "tune") for n, s in settings.items() if s["half"] == half]
     out = []
     for name in ordered:
         paths = sorted(reports.glob(f"{name}-user-seed*.json"))

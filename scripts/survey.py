@@ -252,7 +252,7 @@ def main() -> None:
     parser.add_argument("command", choices=["list", "sweep", "run", "check", "table", "readings"])
     parser.add_argument("setting", nargs="?")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--half", choices=["tune", "report", "all"], default="tune")
+    parser.add_argument("--half", choices=["tune", "report", "fresh", "all"], default="tune")
     parser.add_argument("--max_steps", type=int, default=0, help="override the setting's steps (smoke runs)")
     parser.add_argument("--learning_rates", default="",
                         help="sweep, check: only these LRs, merged into the kept report")

@@ -1,6 +1,7 @@
 """The LR autopilot's survey (issue 49): settings that differ in what matters to a learning rate, split once into a
 tuning half and a report half before any gate, cap or cadence is chosen on them. The report half is not to be looked
-at while tuning; the split is fixed here, in the same commit that first wrote it.
+at while tuning; the split is fixed here, in the same commit that first wrote it. A third group, "fresh", came after
+the tuning ended: settings no gate, cap or cadence was ever chosen with in view.
 
 Every setting is a benchmark preset (`survey-NAME`). Its `user_lr` is the LR a user types: `TrainingArguments`' 5e-5
 for fine-tuning, and a tenth of the setting's swept LR from scratch (`None` until its sweep is run: scripts/survey.py
@@ -65,7 +66,13 @@ def survey_settings(finetune: dict) -> dict[str, dict]:
         "finetune-docs-wsd": _finetune(finetune, "warmup_stable_decay", 10, 300),
         "lora8-docs-linear": _finetune(finetune, "linear", 0, 300, lora_r=8),
     }
-    return {name: dict(setting, half=half) for half, group in (("tune", tune), ("report", report))
+    # Written after behaviour version 8 was fixed, from combinations neither half has (a LoRA of rank 4 under a
+    # constant schedule, a from-scratch run of batch 4 under cosine decay), and run once: nothing is tuned on them.
+    fresh = {
+        "scratch-3x64-shakespeare-cosine-batch4": _scratch(3, 64, 2, "shakespeare", "cosine", 10, 300, batch=4),
+        "lora4-docs-constant": _finetune(finetune, "constant_with_warmup", 10, 200, lora_r=4),
+    }
+    return {name: dict(setting, half=half) for half, group in (("tune", tune), ("report", report), ("fresh", fresh))
             for name, setting in group.items()}
 
 

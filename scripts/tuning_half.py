@@ -23,7 +23,7 @@ def per_learning_rate(script: str, doc: str, measure: Callable[[dict, float, int
     args = parser.parse_args()
     preset = PRESETS[f"survey-{args.setting}"]
     if preset["half"] != "tune":
-        parser.error(f"{args.setting} is in the report half, which tuning does not read")
+        parser.error(f"{args.setting} is in the {preset['half']} half, which tuning does not read")
     found = {}
     for lr in (float(x) for x in args.learning_rates.split(",")):
         found[f"{lr:g}"] = measure(preset, lr, args.steps, f"runs/{script}/{args.setting}-{lr:g}")
