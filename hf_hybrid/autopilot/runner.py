@@ -31,6 +31,7 @@ from .alignment import StartAlignment
 from .cooldown import cooldown_start, cooled_scale
 from .end_line import RunEnd, end_line
 from .line import SPACING, adam_family, next_step_line
+from .ramp import RaiseRamp
 from .scale import LrScale
 from .setup import inner_scheduler, lr_autopilot_missing, scalable_schedule
 from .verdict import raise_gain
@@ -67,6 +68,7 @@ class LrAutopilot:
     def __init__(self, trainer: HybridTrainer, guard_loop: GuardAtLoop) -> None:
         self.trainer, self.guard_loop = trainer, guard_loop
         self.scale = LrScale()
+        self.ramp = RaiseRamp()
         self.user_base_lrs = list(self._scheduler.base_lrs)
         self.probe: dict | None = None  # the run's first micro-batch, read at every reading
         # The weights while a reading or a verdict moves them, held only meanwhile; placed as a jump's undo copy.
@@ -102,8 +104,9 @@ class LrAutopilot:
         return cooldown_start(self._scheduler.lr_lambdas, self.trainer.state.max_steps)
 
     def _scale_in_effect(self) -> float:
-        """The judged scale, or on its way back to 1 in the cooldown (autopilot/cooldown.py)."""
-        return cooled_scale(self.scale.scale, self._scheduler.last_epoch, self._cooldown_start(),
+        """The judged scale, on its way there (autopilot/ramp.py) or back to 1 at the end (autopilot/cooldown.py)."""
+        position = self._scheduler.last_epoch
+        return cooled_scale(self.ramp.in_effect(self.scale.scale, position), position, self._cooldown_start(),
                             self.trainer.state.max_steps)
 
     def _apply(self) -> None:
@@ -176,8 +179,10 @@ class LrAutopilot:
                                          by_sequence=scale.on_trial)
             line = trainer.reduce_across_ranks(*local)
             self.last_line = tuple(line)
+            position = self._scheduler.last_epoch
             decision = scale.reading(*line, spacing=SPACING, steps=step - self.last_reading,
-                                     schedule_factor=self._schedule_factor(), frozen=self._frozen(),
+                                     schedule_factor=self._schedule_factor() * self.ramp.share(before, position),
+                                     frozen=self._frozen(),
                                      trial_paid=scale.on_trial and self._raise_paid(raised=(local[0], rows)),
                                      aligned=self.alignment.aligned is True,
                                      strongly_aligned=self.alignment.strongly_aligned is True,
@@ -190,11 +195,12 @@ class LrAutopilot:
                                else 2 * self.read_every)
             if decision == "raise":
                 self.guard_loop.snapshot_asked = True  # the undo point: before the first update at the new scale
+                self.ramp.begin(position, scale.trial_from, scale.scale)
             elif decision == "undo":
                 self._undo(step, before)
             self.readings_here += 1
             self.reading_seconds += self._clock() - started
-        if scale.scale != before or self._cooling():
+        if scale.scale != before or self._cooling() or self.ramp.moving(scale.scale, self._scheduler.last_epoch):
             self._apply()
         if not scale.on_trial:
             replay.end_trial()
@@ -211,19 +217,21 @@ class LrAutopilot:
         return time.perf_counter()
 
     def _raise_paid(self, raised: tuple[torch.Tensor, torch.Tensor | None]) -> bool:
-        """The verdict on the raise under trial (autopilot/verdict.py), given the probe's loss at the raised weights
-        and each sequence's, unreduced (the reading's first forward): undone when its steps did worse than the user's
-        LR would have by more than the jumps' noise margin; an even result keeps it. Unlike a jump, a raise was asked
-        for by evidence of its own (a line at least twice as long as the steps it aims for), and what it is worth
-        accrues over hundreds of steps, slowly against the noise of one trial's verdict (docs/benchmarks-history.md,
-        "the verdict on a raise"), so a verdict that asked the trial to prove its gain would undo raises that pay. An
-        overshoot shows at once. With no undo point to compare against (a trial whose steps the guard all vetoed), the
-        raise cannot be judged and is undone."""
-        trainer = self.trainer
-        if not self.guard_loop.snapshot.valid:
+        """The verdict on the raise under trial (autopilot/verdict.py), as its steps took it (autopilot/ramp.py), given
+        the probe's loss at the raised weights and each sequence's, unreduced (the reading's first forward): undone
+        when its steps did worse than the user's LR would have by more than the jumps' noise margin; an even result
+        keeps it. Unlike a jump, a raise was asked for by evidence of its own (a line at least twice as long as the
+        steps it aims for), and what it is worth accrues over hundreds of steps, slowly against the noise of one
+        trial's verdict (docs/benchmarks-history.md, "the verdict on a raise"), so a verdict that asked the trial to
+        prove its gain would undo raises that pay. An overshoot shows at once. With no undo point (a trial whose steps
+        the guard all vetoed), the raise cannot be judged and is undone."""
+        trainer, undo_point, scale = self.trainer, self.guard_loop.snapshot, self.scale
+        if not undo_point.valid:
             return False
+        taken = self.ramp.mean_raise(scale.trial_from, scale.scale, self._scheduler.last_epoch,
+                                     trainer.state.global_step - undo_point.step)
         gain, noise = raise_gain(trainer, trainer.model_wrapped, trainer.hybrid_engine.shards(), self.scratch,
-                                 self.probe, self.guard_loop.snapshot, self.scale.trial_raise, raised)
+                                 self.probe, undo_point, taken, raised)
         self.last_verdict = (gain, noise)
         return gain + trainer.hybrid_config.jumps.checks.probe_noise_margin * noise >= 0
 
@@ -260,7 +268,7 @@ class LrAutopilot:
         probe = {k: v.detach().cpu() for k, v in self.probe.items()} if self.probe is not None else None
         return {"scale": self.scale.state_dict(), "user_base_lrs": list(self.user_base_lrs),
                 "last_reading": self.last_reading, "read_every": self.read_every, "probe": probe,
-                "alignment": self.alignment.state_dict()}
+                "alignment": self.alignment.state_dict(), "ramp": self.ramp.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         # The scheduler's own state, loaded with the checkpoint, holds the scaled base LRs.
@@ -268,6 +276,7 @@ class LrAutopilot:
         self.user_base_lrs, self.last_reading = state["user_base_lrs"], state["last_reading"]
         self.read_every = state["read_every"]
         self.alignment.load_state_dict(state["alignment"], self.trainer.hybrid_engine.params)
+        self.ramp.load_state_dict(state["ramp"])
         device = self.trainer.args.device
         self.probe = {k: v.to(device) for k, v in state["probe"].items()} if state["probe"] is not None else None
 

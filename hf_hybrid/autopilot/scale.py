@@ -21,7 +21,7 @@ the two readings; a steady reach: its median at STEADY_TARGET), at most MAX_RAIS
 the trainer takes an undo point. A raise at most doubles the scale because a reach overstates how far the best LR
 is, and past it the final loss can rise steeply (docs/benchmarks.md, "The line in a run's first steps"), unless the
 run's first steps were aligned (autopilot/alignment.py: MAX_ALIGNED_RAISE, or MAX_STRONGLY_ALIGNED_RAISE where they
-read strongly aligned, on one long reading); the next raise
+read strongly aligned, on one long reading: such a raise ramps in, autopilot/ramp.py); the next raise
 needs the line to read long again at the new scale (the reading that asked for a raise counts there at its reach
 divided by the raise). The next reading judges the trial: the raise is undone when the raised steps did worse, on the
 probe, than the point the old scale would have reached over the same batches (autopilot/verdict.py), and then everything

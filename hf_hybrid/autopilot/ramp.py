@@ -1,0 +1,75 @@
+"""A raise past MAX_ALIGNED_RAISE, ramped in: the scale in effect climbs to it linearly over RAMP_STEPS steps.
+
+Only a strongly aligned run's raise can go past MAX_ALIGNED_RAISE (autopilot/scale.py): up to the 32x cap at once,
+sized by a line that may show no bottom. Made at once, such a raise can end a run above the Trainer at the user's LR
+where the same LR reached over a few steps does not: on a LoRA at a tenth of its swept LR, the plain Trainer on the
+hybrid's path (10 warmup steps, then 32x the user's LR at once) ended as far above the Trainer started at the raised LR
+as the hybrid did, and on the same path with the raise spread over 10 steps it ended level with it (docs/benchmarks.md,
+"Two fresh settings, never tuned on"). Raises of up to 4x take effect at once: every report measured them that way.
+
+The verdict (autopilot/verdict.py) sets the raised weights against where the user's LR would have taken them over the
+same batches. Adam's steps are proportional to the learning rate, so under a ramp the raised steps went the mean scale
+in effect over them times as far as the user's would have, not the full raise: that mean is the raise it reads.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass
+
+from .scale import MAX_ALIGNED_RAISE
+
+RAMP_STEPS = 10
+
+
+@dataclass
+class RaiseRamp:
+    """The ramp under way, in schedule positions: the scale in effect for the step after `position` (the schedule's
+    `last_epoch` when the LR is set) goes from `start_scale` at `start` to `judged` at `start + RAMP_STEPS - 1`. A
+    judged scale other than `judged` (the raise was undone, or the guard lowered it) ends the ramp."""
+
+    start: int | None = None
+    start_scale: float = 1.0
+    judged: float = 1.0
+
+    def begin(self, position: int, before: float, raised: float) -> None:
+        """A raise from the judged scale `before` to `raised`, at `position`: ramped in, from the scale the step just
+        taken had, when it goes past MAX_ALIGNED_RAISE or a ramp is still under way (a raise on top of it must not
+        jump the part still to come)."""
+        now = self.in_effect(before, position - 1)
+        if raised / before > MAX_ALIGNED_RAISE or now != before:
+            self.start, self.start_scale, self.judged = position, now, raised
+        else:
+            self.start = None
+
+    def in_effect(self, judged: float, position: int) -> float:
+        """The scale for the step after `position`: the judged one, or on its way there."""
+        if self.start is None or judged != self.judged:
+            return judged
+        done = (position - self.start + 1) / RAMP_STEPS
+        if done >= 1.0:
+            return judged  # exactly: a checkpoint or a report compares scales bit for bit
+        return self.start_scale + (judged - self.start_scale) * max(done, 0.0)
+
+    def moving(self, judged: float, position: int) -> bool:
+        """Whether the scale in effect after `position` differs from the one before it."""
+        return self.start is not None and judged == self.judged and 0 <= position - self.start < RAMP_STEPS
+
+    def share(self, judged: float, position: int) -> float:
+        """The scale in effect after `position` as a share of the judged one: a reading there reads steps that much
+        shorter than the judged scale's, as it reads a warmup's (autopilot/scale.py, `schedule_factor`)."""
+        return self.in_effect(judged, position) / judged
+
+    def mean_raise(self, before: float, judged: float, position: int, steps: int) -> float:
+        """The raise under trial as the last `steps` steps up to `position` took it: the mean scale in effect over
+        them, over the scale `before` the raise."""
+        scales = [self.in_effect(judged, p) for p in range(position - steps, position)]
+        if all(scale == judged for scale in scales):  # no ramp over them: the raise itself, exactly
+            return judged / before
+        return statistics.fmean(scales) / before
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.start, self.start_scale, self.judged = state["start"], state["start_scale"], state["judged"]
