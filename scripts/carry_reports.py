@@ -1,11 +1,13 @@
-"""Carry benchmark reports from behaviour version 7 to 8 where version 8 cannot have moved them.
+"""Carry benchmark reports from behaviour version 8 to 9 where version 9 cannot have moved them.
 
-Version 8 only takes raises away: a run whose first steps read opposed (hf_hybrid/autopilot/alignment.py, OPPOSED: the
-window's mean below 0) starts none (autopilot/scale.py). A hybrid run whose first steps read at or above that gate (its
-`hybrid_stats` record the alignment), or that tried no raise at all, took every decision as at version 7, bit for bit.
-A report is carried when every hybrid run in it is such a run, or was measured again at version 8 (`survey.py check
-NAME --learning_rates ...` merges those runs in, each with its own environment); otherwise it is left as it is and
-said so. The survey's reports by default; the presets' with `--reports docs/reports --pattern 'presets-v7-*.json'`.
+Version 9 changes only raises past MAX_ALIGNED_RAISE (hf_hybrid/autopilot/ramp.py): they ramp in, and their verdict
+reads the raise as the ramp took it. Only a run whose first steps read strongly aligned (autopilot/alignment.py,
+STRONGLY_ALIGNED) can raise past it. A hybrid run that read below that gate (its `hybrid_stats` record the alignment),
+tried no raise, or kept every raise it tried and ended at a scale of MAX_ALIGNED_RAISE or less (so no single raise
+went past it) took every decision as at version 8, bit for bit. A report is carried when every hybrid run in it is
+such a run, or was measured again at version 9 (`survey.py check NAME --learning_rates ...` merges those runs in, each
+with its own environment); otherwise it is left as it is and said so. The survey's reports by default; the presets'
+with `--reports docs/reports --pattern 'presets-v7-*.json'`.
 
     python scripts/carry_reports.py
 """
@@ -19,9 +21,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from hf_hybrid.autopilot.alignment import OPPOSED  # noqa: E402
+from hf_hybrid.autopilot.alignment import STRONGLY_ALIGNED  # noqa: E402
+from hf_hybrid.autopilot.scale import MAX_ALIGNED_RAISE  # noqa: E402
 
-FROM, TO = 7, 8
+FROM, TO = 8, 9
 
 
 def _version(environment: dict | None) -> int | None:
@@ -29,13 +32,16 @@ def _version(environment: dict | None) -> int | None:
 
 
 def untouched(run: dict) -> bool:
-    """Whether version 8 leaves a version-7 hybrid run as it was: its first steps read at or above the opposed gate, it
-    tried no raise, or it was measured again."""
+    """Whether version 9 leaves a version-8 hybrid run as it was: its first steps read below the strongly aligned
+    gate, it tried no raise, every raise it tried was kept and none went past MAX_ALIGNED_RAISE, or it was measured
+    again."""
     stats = run.get("hybrid_stats") or {}
-    tried = stats.get("lr_raises_kept", 0) + stats.get("lr_trials_undone", 0)
+    kept, undone = stats.get("lr_raises_kept", 0), stats.get("lr_trials_undone", 0)
     alignment = stats.get("lr_start_alignment")
-    not_opposed = alignment is not None and alignment >= OPPOSED
-    return _version(run.get("environment")) == TO or (bool(stats) and (tried == 0 or not_opposed))
+    below_gate = alignment is not None and alignment < STRONGLY_ALIGNED
+    small_raises = undone == 0 and stats.get("lr_lowered", 0) == 0 and stats.get("lr_scale", 1.0) <= MAX_ALIGNED_RAISE
+    measured_again = _version(run.get("environment")) == TO
+    return measured_again or (bool(stats) and (kept + undone == 0 or below_gate or small_raises))
 
 
 def carry(path: Path, why: str) -> None:
@@ -52,8 +58,9 @@ def main() -> None:
     parser.add_argument("--reports", default=str(HERE.parent / "docs" / "survey"))
     parser.add_argument("--pattern", default="*.json")
     args = parser.parse_args()
-    why = ("version 8 only takes away the raises of a run whose first steps read opposed; every hybrid run in this "
-           "report read at or above that gate, tried no raise, or was measured again at version 8")
+    why = ("version 9 changes only raises past 4x, which only a run whose first steps read strongly aligned makes; "
+           "every hybrid run in this report read below that gate, tried no raise, kept only raises of 4x or less, or "
+           "was measured again at version 9")
     for path in sorted(Path(args.reports).glob(args.pattern)):
         report = json.loads(path.read_text())
         if _version(report.get("environment")) != FROM or report.get("arm") == "baseline":
@@ -62,7 +69,7 @@ def main() -> None:
         moved = [run for run in runs if not untouched(run)]
         if moved:
             lrs = ", ".join(f"{run.get('learning_rate', report.get('learning_rate')):g}" for run in moved)
-            print(f"{path.name}: opposed and a raise tried at {lrs}, to be measured again")
+            print(f"{path.name}: strongly aligned and a raise past 4x possible at {lrs}, to be measured again")
             continue
         carry(path, why)
         print(f"{path.name}: carried")

@@ -93,30 +93,32 @@ def test_a_setting_is_swept_then_run_at_a_tenth_of_its_swept_lr(tmp_path):
     assert json.loads((tmp_path / "table.json").read_text()) == []
 
 
-def test_only_reports_whose_hybrid_runs_read_not_opposed_tried_no_raise_or_were_measured_again_are_carried(tmp_path):
+def test_only_reports_whose_hybrid_runs_cannot_have_raised_past_4x_or_were_measured_again_are_carried(tmp_path):
     import carry_reports
 
     def write(name: str, report: dict) -> Path:
         (tmp_path / name).write_text(json.dumps(report))
         return tmp_path / name
 
-    def stats(alignment: float, kept: int, undone: int = 0) -> dict:
-        return {"hybrid_stats": {"lr_start_alignment": alignment, "lr_raises_kept": kept, "lr_trials_undone": undone}}
+    def stats(alignment: float, kept: int, undone: int = 0, scale: float = 1.0) -> dict:
+        return {"hybrid_stats": {"lr_start_alignment": alignment, "lr_raises_kept": kept, "lr_trials_undone": undone,
+                                 "lr_lowered": 0, "lr_scale": scale}}
 
-    old = {"behaviour_version": 7, "behaviour_carried": {"from": 6}}
+    old = {"behaviour_version": 8, "behaviour_carried": {"from": 7}}
 
     def user(name: str, run: dict) -> Path:
         return write(name, {"learning_rate": 1e-4, "environment": dict(old), "hybrid": [run]})
 
-    not_opposed = user("a-user-seed0.json", stats(0.0, 3))
-    opposed = user("a-user-seed1.json", stats(-0.02, 1))
-    undone = user("b-user-seed0.json", stats(-0.01, 0, 1))
-    never_raised = user("b-user-seed1.json", stats(-0.05, 0))
+    below_gate = user("a-user-seed0.json", stats(0.19, 3, scale=8.0))
+    raised_past_4x = user("a-user-seed1.json", stats(0.4, 1, scale=32.0))
+    undone = user("b-user-seed0.json", stats(0.3, 0, 1))  # how far the undone raise went is not recorded
+    small_raises = user("b-user-seed1.json", stats(0.45, 2, scale=4.0))
+    never_raised = user("c-user-seed0.json", stats(0.5, 0))
     checked_again = write("a-hybrid-seed0.json", {"arm": "hybrid", "environment": dict(old), "runs": [
-        {"learning_rate": 1e-4, **stats(-0.06, 1), "environment": {"behaviour_version": 8}},
-        {"learning_rate": 1e-3, **stats(0.02, 1)}]})
+        {"learning_rate": 1e-4, **stats(0.4, 1, scale=32.0), "environment": {"behaviour_version": 9}},
+        {"learning_rate": 1e-3, **stats(0.02, 1, scale=2.0)}]})
     stale = write("b-hybrid-seed0.json", {"arm": "hybrid", "environment": dict(old), "runs": [
-        {"learning_rate": 1e-4, **stats(-0.06, 1)}, {"learning_rate": 1e-3, **stats(0.02, 0)}]})
+        {"learning_rate": 1e-4, **stats(0.4, 1, scale=17.7)}, {"learning_rate": 1e-3, **stats(0.02, 0)}]})
     sweep = write("a-sweep-seed0.json", {"arm": "baseline", "environment": dict(old), "runs": []})
     argv = sys.argv
     try:
@@ -124,12 +126,13 @@ def test_only_reports_whose_hybrid_runs_read_not_opposed_tried_no_raise_or_were_
         carry_reports.main()
     finally:
         sys.argv = argv
-    version = {p.name: json.loads(p.read_text())["environment"]["behaviour_version"]
-               for p in (not_opposed, opposed, undone, never_raised, checked_again, stale, sweep)}
-    assert version == {"a-user-seed0.json": 8, "a-user-seed1.json": 7, "b-user-seed0.json": 7, "b-user-seed1.json": 8,
-                       "a-hybrid-seed0.json": 8, "b-hybrid-seed0.json": 7, "a-sweep-seed0.json": 7}
-    carried = json.loads(not_opposed.read_text())["environment"]["behaviour_carried"]
-    assert carried["from"] == 7 and carried["earlier"] == {"from": 6}
+    paths = (below_gate, raised_past_4x, undone, small_raises, never_raised, checked_again, stale, sweep)
+    version = {p.name: json.loads(p.read_text())["environment"]["behaviour_version"] for p in paths}
+    assert version == {"a-user-seed0.json": 9, "a-user-seed1.json": 8, "b-user-seed0.json": 8, "b-user-seed1.json": 9,
+                       "c-user-seed0.json": 9, "a-hybrid-seed0.json": 9, "b-hybrid-seed0.json": 8,
+                       "a-sweep-seed0.json": 8}
+    carried = json.loads(below_gate.read_text())["environment"]["behaviour_carried"]
+    assert carried["from"] == 8 and carried["earlier"] == {"from": 7}
 
 
 def test_a_run_of_the_hybrid_alone_carries_the_peers_from_the_kept_report_and_says_so():
