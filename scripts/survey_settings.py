@@ -68,7 +68,8 @@ def survey_settings(finetune: dict) -> dict[str, dict]:
     }
     # Written after behaviour version 8 was fixed, from combinations neither half has (a LoRA of rank 4 under a
     # constant schedule, a from-scratch run of batch 4 under cosine decay), and run once: nothing is tuned on them.
-    # lora4-docs-constant's miss has since been read to try a raise rule (not adopted; docs/benchmarks.md).
+    # lora4-docs-constant's miss has since been read to choose behaviour version 9's ramped raise (docs/benchmarks.md),
+    # so for raises past 4x it is no longer fresh.
     fresh = {
         "scratch-3x64-shakespeare-cosine-batch4": _scratch(3, 64, 2, "shakespeare", "cosine", 10, 300, batch=4),
         "lora4-docs-constant": _finetune(finetune, "constant_with_warmup", 10, 200, lora_r=4),
