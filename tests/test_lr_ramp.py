@@ -24,50 +24,70 @@ def test_a_large_raise_climbs_over_the_ramp_a_small_one_takes_effect_at_once():
     ramp.begin(10, before=1.0, raised=32.0)
     assert [ramp.in_effect(32.0, p) for p in range(9, 21)] == pytest.approx(
         [1.0] + [1.0 + 31.0 * k / RAMP_STEPS for k in range(1, 11)] + [32.0])
+    assert ramp.in_effect(32.0, 19) == 32.0  # exactly, as an unramped run has it
     assert [ramp.moving(32.0, p) for p in (9, 10, 19, 20)] == [False, True, True, False]
+    assert [ramp.under_way(32.0, p) for p in (10, 18, 19)] == [True, True, False]
+    assert ramp.share(32.0, 14) == pytest.approx((1.0 + 31.0 * 0.5) / 32.0)
     # The steps since the undo point (before update 11) took the mean of what was in effect for them.
     assert ramp.mean_raise(1.0, 32.0, position=15, steps=5) == pytest.approx(1.0 + 31.0 * 0.3)
     assert ramp.mean_raise(1.0, 32.0, position=20, steps=10) == pytest.approx(1.0 + 31.0 * 0.55)
-    assert ramp.in_effect(1.0, 12) == 1.0  # undone: the judged scale is back, and so is the scale in effect
-    # A raise on top of a ramp under way starts from where the ramp is, even a small one.
-    ramp.begin(15, before=32.0, raised=40.0)
-    assert ramp.in_effect(40.0, 14) == pytest.approx(1.0 + 31.0 * 0.5)
-    assert ramp.in_effect(40.0, 24) == 40.0
+    assert ramp.in_effect(1.0, 12) == 1.0 and not ramp.under_way(1.0, 12)  # undone: the ramp is over
     small = RaiseRamp()
     small.begin(30, before=2.0, raised=8.0)  # 4x: MAX_ALIGNED_RAISE, at once
-    assert small.in_effect(8.0, 30) == 8.0 and not small.moving(8.0, 30)
-    assert small.mean_raise(2.0, 8.0, position=35, steps=5) == 4.0
+    assert small.in_effect(8.0, 30) == 8.0 and not small.moving(8.0, 30) and not small.under_way(8.0, 30)
+    assert small.mean_raise(2.0, 8.0, position=35, steps=5) == 4.0 and small.share(8.0, 30) == 1.0
 
 
-def _strongly_aligned_run(monkeypatch, output_dir, **overrides) -> tuple[HybridHFTrainer, list[float]]:
-    """Every run reads strongly aligned and every line 100 steps long: the first reading after the alignment's window
-    (step 10) asks for the whole 32x cap. Each verdict keeps the raise and records the raise it was asked to judge."""
+def _strongly_aligned_run(monkeypatch, output_dir, reach: float = 100.0, **overrides) -> tuple[HybridHFTrainer, list]:
+    """Every run reads strongly aligned and every line `reach` steps long: the first reading after the alignment's
+    window (step 10) asks for reach / 2 times the scale, up to the 32x cap. Each verdict keeps the raise and records
+    the raise it was asked to judge, the step it judged at and its undo point's step."""
     for gate in ("ALIGNED", "STRONGLY_ALIGNED", "OPPOSED"):
         monkeypatch.setattr(f"hf_hybrid.autopilot.alignment.{gate}", -math.inf)
-    monkeypatch.setattr("hf_hybrid.autopilot.scale.reach_of_line", lambda f0, f1, f2: 100.0 / SPACING)
-    judged: list[float] = []
+    monkeypatch.setattr("hf_hybrid.autopilot.scale.reach_of_line", lambda f0, f1, f2: reach / SPACING)
+    judged: list[tuple[float, int, int]] = []
 
     def paid(trainer, model, shards, scratch, probe, undo_point, raise_, raised):
-        judged.append(raise_)
+        judged.append((raise_, trainer.state.global_step, undo_point.step))
         return 1.0, 0.0
 
     monkeypatch.setattr("hf_hybrid.autopilot.runner.raise_gain", paid)
-    return make_trainer(output_dir, **RUN, **overrides), judged
+    return make_trainer(output_dir, **{**RUN, **overrides}), judged
+
+
+def _lr_scales(trainer: HybridHFTrainer) -> list[float]:
+    """Each step's LR over the user's (the schedule is constant up to its cooldown)."""
+    return [entry["learning_rate"] / 1e-5 for entry in trainer.state.log_history if "learning_rate" in entry]
 
 
 def test_a_strongly_aligned_32x_raise_ramps_in_and_is_judged_as_taken(tmp_out, monkeypatch):
     trainer, judged = _strongly_aligned_run(monkeypatch, tmp_out)
     trainer.train()
     assert trainer._lr_autopilot.scale.scale == 32.0 and trainer._lr_autopilot.scale.raises_kept == 1
-    lrs = [entry["learning_rate"] / 1e-5 for entry in trainer.state.log_history if "learning_rate" in entry]
+    lrs = _lr_scales(trainer)
     first = next(i for i, lr in enumerate(lrs) if lr > 1.0)  # the first step after the raise (a jump may delay it)
     assert first >= 10 and lrs[:first] == pytest.approx([1.0] * first)
     ramped = [1.0 + 31.0 * k / RAMP_STEPS for k in range(1, RAMP_STEPS + 1)]
     assert lrs[first:first + RAMP_STEPS] == pytest.approx(ramped)
     assert lrs[first + RAMP_STEPS:32] == pytest.approx([32.0] * (32 - first - RAMP_STEPS))  # the cooldown from 32 on
-    # Judged a few steps on, over steps that went 4.1x, 7.2x, ... the user's LR: their mean, not 32x.
-    taken = [statistics.fmean(lrs[first:first + n]) for n in range(1, RAMP_STEPS + 1)]
-    assert len(judged) == 1 and any(judged[0] == pytest.approx(mean) for mean in taken)
+    # Judged a few steps on, over the steps since its undo point: the mean of what they took, not 32x.
+    [(raise_, step, undo_step)] = judged
+    assert undo_step == first and step > undo_step and raise_ < 32.0
+    assert raise_ == pytest.approx(statistics.fmean(lrs[undo_step:step]))
+
+
+def test_no_raise_starts_until_the_ramp_is_done(tmp_out, monkeypatch):
+    """Every line reads 24 steps: 12x at step 10, ramped; kept at the next reading, and the next raise (the rest of the
+    cap, 2.7x, at once) only once the ramp has reached 12x."""
+    trainer, judged = _strongly_aligned_run(monkeypatch, tmp_out, reach=24.0, max_steps=60)
+    trainer.train()
+    assert trainer._lr_autopilot.scale.scale == 32.0 and trainer._lr_autopilot.scale.raises_kept == 2
+    lrs = _lr_scales(trainer)
+    first = next(i for i, lr in enumerate(lrs) if lr > 1.0)
+    assert lrs[first:first + RAMP_STEPS] == pytest.approx([1.0 + 11.0 * k / RAMP_STEPS for k in range(1, 11)])
+    second = next(i for i, lr in enumerate(lrs) if lr > 12.0 * 1.001)
+    assert second > first + RAMP_STEPS - 1 and lrs[second] == pytest.approx(32.0)  # at once: a raise of 4x or less
+    assert [raise_ for raise_, _, _ in judged][1] == pytest.approx(32.0 / 12.0)
 
 
 def test_resume_inside_the_ramp_is_bit_identical(tmp_path, monkeypatch):

@@ -9,7 +9,9 @@ as the hybrid did, and on the same path with the raise spread over 10 steps it e
 
 The verdict (autopilot/verdict.py) sets the raised weights against where the user's LR would have taken them over the
 same batches. Adam's steps are proportional to the learning rate, so under a ramp the raised steps went the mean scale
-in effect over them times as far as the user's would have, not the full raise: that mean is the raise it reads.
+in effect over them times as far as the user's would have, not the full raise: that mean is the raise it reads. No
+raise starts while a ramp is under way (`under_way`): on top of one, the steps it would be judged against are the
+ramp's own, still climbing, and an undo would drop the rest of the ramp at once.
 """
 
 from __future__ import annotations
@@ -24,23 +26,26 @@ RAMP_STEPS = 10
 
 @dataclass
 class RaiseRamp:
-    """The ramp under way, in schedule positions: the scale in effect for the step after `position` (the schedule's
-    `last_epoch` when the LR is set) goes from `start_scale` at `start` to `judged` at `start + RAMP_STEPS - 1`. A
-    judged scale other than `judged` (the raise was undone, or the guard lowered it) ends the ramp."""
+    """The ramp, in schedule positions: the scale in effect for the step after `position` (the schedule's `last_epoch`
+    when the LR is set) climbs from `start_scale`, the scale before the raise, by a RAMP_STEPS-th of the way at `start`,
+    to `judged` at `start + RAMP_STEPS - 1`. A judged scale other than `judged` (the raise was undone, or the guard
+    lowered it) ends the ramp."""
 
     start: int | None = None
     start_scale: float = 1.0
     judged: float = 1.0
 
     def begin(self, position: int, before: float, raised: float) -> None:
-        """A raise from the judged scale `before` to `raised`, at `position`: ramped in, from the scale the step just
-        taken had, when it goes past MAX_ALIGNED_RAISE or a ramp is still under way (a raise on top of it must not
-        jump the part still to come)."""
-        now = self.in_effect(before, position - 1)
-        if raised / before > MAX_ALIGNED_RAISE or now != before:
-            self.start, self.start_scale, self.judged = position, now, raised
+        """A raise from the judged scale `before` to `raised`, at `position`: ramped in when it goes past
+        MAX_ALIGNED_RAISE, at once otherwise."""
+        if raised / before > MAX_ALIGNED_RAISE:
+            self.start, self.start_scale, self.judged = position, before, raised
         else:
             self.start = None
+
+    def under_way(self, judged: float, position: int) -> bool:
+        """Whether the step after `position` is still short of the judged scale: no raise may start there."""
+        return self.in_effect(judged, position) != judged
 
     def in_effect(self, judged: float, position: int) -> float:
         """The scale for the step after `position`: the judged one, or on its way there."""
@@ -56,8 +61,9 @@ class RaiseRamp:
         return self.start is not None and judged == self.judged and 0 <= position - self.start < RAMP_STEPS
 
     def share(self, judged: float, position: int) -> float:
-        """The scale in effect after `position` as a share of the judged one: a reading there reads steps that much
-        shorter than the judged scale's, as it reads a warmup's (autopilot/scale.py, `schedule_factor`)."""
+        """The scale in effect after `position` as a share of the judged one: a reading along a step at that scale
+        reads steps that much shorter than the judged scale's, as it reads a warmup's (autopilot/scale.py,
+        `schedule_factor`)."""
         return self.in_effect(judged, position) / judged
 
     def mean_raise(self, before: float, judged: float, position: int, steps: int) -> float:

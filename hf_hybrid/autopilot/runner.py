@@ -174,15 +174,15 @@ class LrAutopilot:
             started = self._clock()
             had_rate = scale.last_loss is not None  # a first reading, or one after a rollback, asks for nothing yet
             trainer = self.trainer
-            weights = trainer.hybrid_engine.shards()
-            local, rows = next_step_line(trainer, trainer.model_wrapped, weights, self.scratch, self.probe,
-                                         by_sequence=scale.on_trial)
+            local, rows = next_step_line(trainer, trainer.model_wrapped, trainer.hybrid_engine.shards(), self.scratch,
+                                         self.probe, by_sequence=scale.on_trial)
             line = trainer.reduce_across_ranks(*local)
             self.last_line = tuple(line)
+            # The line runs along the step at the LR set after the last position, before this step's raise, if any.
             position = self._scheduler.last_epoch
             decision = scale.reading(*line, spacing=SPACING, steps=step - self.last_reading,
-                                     schedule_factor=self._schedule_factor() * self.ramp.share(before, position),
-                                     frozen=self._frozen(),
+                                     schedule_factor=self._schedule_factor() * self.ramp.share(before, position - 1),
+                                     frozen=self._frozen() or self.ramp.under_way(before, position),
                                      trial_paid=scale.on_trial and self._raise_paid(raised=(local[0], rows)),
                                      aligned=self.alignment.aligned is True,
                                      strongly_aligned=self.alignment.strongly_aligned is True,
@@ -190,7 +190,7 @@ class LrAutopilot:
             self.last_reading = step
             busy = decision in ("raise", "keep") or scale.on_trial or not had_rate or scale.evidence_building
             raising = decision in ("raise", "keep") or scale.on_trial
-            past_descent = self._scheduler.last_epoch >= self._warmup_steps() + FIRST_DESCENT_STEPS
+            past_descent = position >= self._warmup_steps() + FIRST_DESCENT_STEPS
             self.read_every = (RAISING_READ_EVERY if raising and past_descent else READ_EVERY if busy
                                else 2 * self.read_every)
             if decision == "raise":
@@ -228,8 +228,9 @@ class LrAutopilot:
         trainer, undo_point, scale = self.trainer, self.guard_loop.snapshot, self.scale
         if not undo_point.valid:
             return False
+        made_up = trainer.hybrid_engine.made_up_steps - undo_point.made_up  # steps the schedule took again
         taken = self.ramp.mean_raise(scale.trial_from, scale.scale, self._scheduler.last_epoch,
-                                     trainer.state.global_step - undo_point.step)
+                                     trainer.state.global_step - undo_point.step - made_up)
         gain, noise = raise_gain(trainer, trainer.model_wrapped, trainer.hybrid_engine.shards(), self.scratch,
                                  self.probe, undo_point, taken, raised)
         self.last_verdict = (gain, noise)
@@ -261,7 +262,7 @@ class LrAutopilot:
         return {**self.scale.stats(), "lr_start_alignment": self.alignment.mean}
 
     def log_metrics(self) -> dict[str, float]:
-        """The scale the next step uses: the judged one, or on its way back to 1 in the cooldown."""
+        """The scale the next step uses: the judged one, on its way there, or on its way back to 1 in the cooldown."""
         return {"hybrid/lr_scale": float(self._scale_in_effect())}
 
     def state_dict(self) -> dict:
