@@ -11,6 +11,7 @@ import pytest
 from hf_hybrid import HybridHFTrainer
 from hf_hybrid.autopilot.line import SPACING
 from hf_hybrid.autopilot.ramp import RAMP_STEPS, RaiseRamp
+from hf_hybrid.autopilot.scale import LrScale
 
 from .conftest import hybrid_args, make_trainer, tiny_gpt2, token_dataset
 from .test_equivalence_resume import assert_bit_identical, state
@@ -88,6 +89,25 @@ def test_no_raise_starts_until_the_ramp_is_done(tmp_out, monkeypatch):
     second = next(i for i, lr in enumerate(lrs) if lr > 12.0 * 1.001)
     assert second > first + RAMP_STEPS - 1 and lrs[second] == pytest.approx(32.0)  # at once: a raise of 4x or less
     assert [raise_ for raise_, _, _ in judged][1] == pytest.approx(32.0 / 12.0)
+
+
+def test_a_reading_inside_the_ramp_counts_its_steps_at_the_scale_they_were_read_at(tmp_out, monkeypatch):
+    """The line runs along the step at the LR in effect when the reading starts (the last position's, before this
+    step's `_apply`); the reach is counted in steps of the judged scale, so the schedule factor handed to the reading
+    is that LR over the judged scale's (a constant schedule: 1 outside a ramp)."""
+    trainer, _ = _strongly_aligned_run(monkeypatch, tmp_out, reach=24.0, max_steps=60)
+    read = LrScale.reading
+    seen: list[tuple[float, float]] = []
+
+    def recording(self, *args, schedule_factor: float, **kwargs):
+        in_effect = trainer.optimizer.param_groups[0]["lr"] / 1e-5
+        seen.append((schedule_factor, in_effect / self.scale))
+        return read(self, *args, schedule_factor=schedule_factor, **kwargs)
+
+    monkeypatch.setattr(LrScale, "reading", recording)
+    trainer.train()
+    assert any(share < 1.0 for _, share in seen)  # a verdict read inside the ramp
+    assert [factor for factor, _ in seen] == pytest.approx([share for _, share in seen])
 
 
 def test_resume_inside_the_ramp_is_bit_identical(tmp_path, monkeypatch):
