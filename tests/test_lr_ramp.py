@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 import statistics
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -13,9 +15,12 @@ from hf_hybrid.autopilot.line import SPACING
 from hf_hybrid.autopilot.ramp import RAMP_STEPS, RaiseRamp
 from hf_hybrid.autopilot.scale import LrScale
 
-from .conftest import hybrid_args, make_trainer, tiny_gpt2, token_dataset
+from .conftest import hybrid_args, tiny_gpt2, token_dataset
 from .test_equivalence_resume import assert_bit_identical, state
 from .test_lr_advice import OUTER
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from faults import FaultPlan, with_faults  # noqa: E402
 
 RUN = dict(OUTER, learning_rate=1e-5, lr_scheduler_type="constant", max_steps=40, logging_steps=1)
 
@@ -39,10 +44,12 @@ def test_a_large_raise_climbs_over_the_ramp_a_small_one_takes_effect_at_once():
     assert small.mean_raise(2.0, 8.0, position=35, steps=5) == 4.0 and small.share(8.0, 30) == 1.0
 
 
-def _strongly_aligned_run(monkeypatch, output_dir, reach: float = 100.0, **overrides) -> tuple[HybridHFTrainer, list]:
+def _strongly_aligned_run(monkeypatch, output_dir, reach: float = 100.0, faults: FaultPlan | None = None,
+                          **overrides) -> tuple[HybridHFTrainer, list]:
     """Every run reads strongly aligned and every line `reach` steps long: the first reading after the alignment's
     window (step 10) asks for reach / 2 times the scale, up to the 32x cap. Each verdict keeps the raise and records
-    the raise it was asked to judge, the step it judged at and its undo point's step."""
+    the raise it was asked to judge, the step it judged at and its undo point's step. `faults`: training batches
+    that go bad (scripts/faults.py)."""
     for gate in ("ALIGNED", "STRONGLY_ALIGNED", "OPPOSED"):
         monkeypatch.setattr(f"hf_hybrid.autopilot.alignment.{gate}", -math.inf)
     monkeypatch.setattr("hf_hybrid.autopilot.scale.reach_of_line", lambda f0, f1, f2: reach / SPACING)
@@ -53,7 +60,9 @@ def _strongly_aligned_run(monkeypatch, output_dir, reach: float = 100.0, **overr
         return 1.0, 0.0
 
     monkeypatch.setattr("hf_hybrid.autopilot.runner.raise_gain", paid)
-    return make_trainer(output_dir, **{**RUN, **overrides}), judged
+    cls = HybridHFTrainer if faults is None else with_faults(HybridHFTrainer, faults)
+    return cls(model=tiny_gpt2(), args=hybrid_args(output_dir, **{**RUN, **overrides}),
+               train_dataset=token_dataset()), judged
 
 
 def _lr_scales(trainer: HybridHFTrainer) -> list[float]:
@@ -75,6 +84,21 @@ def test_a_strongly_aligned_32x_raise_ramps_in_and_is_judged_as_taken(tmp_out, m
     [(raise_, step, undo_step)] = judged
     assert undo_step == first and step > undo_step and raise_ < 32.0
     assert raise_ == pytest.approx(statistics.fmean(lrs[undo_step:step]))
+
+
+def test_a_step_the_guard_skips_inside_the_ramp_is_not_judged_as_a_raised_step(tmp_out, monkeypatch):
+    """A NaN loss at the second step after the raise: the guard skips that update and the schedule takes its position
+    again on the next step. The verdict reads the mean raise over the updates made since the undo point; counted in
+    global steps, it would reach back one position before the undo point, to the user's LR."""
+    trainer, judged = _strongly_aligned_run(monkeypatch, tmp_out, faults=FaultPlan(nan_step=13))
+    trainer.train()
+    assert trainer.hybrid_stats()["skipped_steps"] == 1
+    [(raise_, step, undo_step)] = judged
+    skipped = 14  # the step after `nan_step`, as `global_step` counts it at its end
+    assert undo_step < skipped <= step
+    lrs = _lr_scales(trainer)  # one per step, its update's, the skipped one's too
+    made = [lrs[s - 1] for s in range(undo_step + 1, step + 1) if s != skipped]
+    assert min(made) > 1.0 and raise_ == pytest.approx(statistics.fmean(made))
 
 
 def test_no_raise_starts_until_the_ramp_is_done(tmp_out, monkeypatch):
