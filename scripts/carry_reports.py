@@ -1,11 +1,11 @@
-"""Carry benchmark reports from behaviour version 8 to 9 where version 9 cannot have moved them.
+"""Carry benchmark reports from behaviour version 9 to 10 where version 10 cannot have moved them.
 
-Version 9 changes only raises past MAX_ALIGNED_RAISE (hf_hybrid/autopilot/ramp.py): they ramp in, and their verdict
-reads the raise as the ramp took it. Only a run whose first steps read strongly aligned (autopilot/alignment.py,
-STRONGLY_ALIGNED) can raise past it. A hybrid run that read below that gate (its `hybrid_stats` record the alignment),
-tried no raise, or kept every raise it tried and ended at a scale of MAX_ALIGNED_RAISE or less (so no single raise
-went past it) took every decision as at version 8, bit for bit. A report is carried when every hybrid run in it is
-such a run, or was measured again at version 9 (`survey.py check NAME --learning_rates ...` merges those runs in, each
+Version 10 changes only raises past MAX_ALIGNED_RAISE (hf_hybrid/autopilot/ramp.py): they ramp in over RAMP_STEPS 5
+instead of 10. Only a run whose first steps read strongly aligned (autopilot/alignment.py, STRONGLY_ALIGNED) can raise
+past it. A hybrid run that read below that gate (its `hybrid_stats` record the alignment), tried no raise, or kept
+every raise it tried and ended at a scale of MAX_ALIGNED_RAISE or less (so no single raise went past it) took every
+decision as at version 9, bit for bit. A report is carried when every hybrid run in it is such a run, or was measured
+again at version 10 (`survey.py check NAME --learning_rates ...` merges those runs in, each
 with its own environment); otherwise it is left as it is and said so. The survey's reports by default; the presets'
 with `--reports docs/reports --pattern 'presets-v7-*.json'`.
 
@@ -24,7 +24,7 @@ sys.path.insert(0, str(HERE.parent))
 from hf_hybrid.autopilot.alignment import STRONGLY_ALIGNED  # noqa: E402
 from hf_hybrid.autopilot.scale import MAX_ALIGNED_RAISE  # noqa: E402
 
-FROM, TO = 8, 9
+FROM, TO = 9, 10
 
 
 def _version(environment: dict | None) -> int | None:
@@ -32,7 +32,7 @@ def _version(environment: dict | None) -> int | None:
 
 
 def untouched(run: dict) -> bool:
-    """Whether version 9 leaves a version-8 hybrid run as it was: its first steps read below the strongly aligned
+    """Whether version 10 leaves a version-9 hybrid run as it was: its first steps read below the strongly aligned
     gate, it tried no raise, every raise it tried was kept and none went past MAX_ALIGNED_RAISE, or it was measured
     again."""
     stats = run.get("hybrid_stats") or {}
@@ -58,9 +58,9 @@ def main() -> None:
     parser.add_argument("--reports", default=str(HERE.parent / "docs" / "survey"))
     parser.add_argument("--pattern", default="*.json")
     args = parser.parse_args()
-    why = ("version 9 changes only raises past 4x, which only a run whose first steps read strongly aligned makes; "
-           "every hybrid run in this report read below that gate, tried no raise, kept only raises of 4x or less, or "
-           "was measured again at version 9")
+    why = ("version 10 changes only raises past 4x (their ramp), which only a run whose first steps read strongly "
+           "aligned makes; every hybrid run in this report read below that gate, tried no raise, kept only raises of "
+           "4x or less, or was measured again at version 10")
     for path in sorted(Path(args.reports).glob(args.pattern)):
         report = json.loads(path.read_text())
         if _version(report.get("environment")) != FROM or report.get("arm") == "baseline":

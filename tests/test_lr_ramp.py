@@ -13,6 +13,7 @@ import pytest
 from hf_hybrid import HybridHFTrainer
 from hf_hybrid.autopilot.line import SPACING
 from hf_hybrid.autopilot.ramp import RAMP_STEPS, RaiseRamp
+from hf_hybrid.autopilot.runner import RAISING_READ_EVERY
 from hf_hybrid.autopilot.scale import LrScale
 
 from .conftest import hybrid_args, tiny_gpt2, token_dataset
@@ -26,17 +27,18 @@ RUN = dict(OUTER, learning_rate=1e-5, lr_scheduler_type="constant", max_steps=40
 
 
 def test_a_large_raise_climbs_over_the_ramp_a_small_one_takes_effect_at_once():
-    ramp = RaiseRamp()
+    ramp, last = RaiseRamp(), 10 + RAMP_STEPS - 1  # the ramp's last position
     ramp.begin(10, before=1.0, raised=32.0)
-    assert [ramp.in_effect(32.0, p) for p in range(9, 21)] == pytest.approx(
-        [1.0] + [1.0 + 31.0 * k / RAMP_STEPS for k in range(1, 11)] + [32.0])
-    assert ramp.in_effect(32.0, 19) == 32.0  # exactly, as an unramped run has it
-    assert [ramp.moving(32.0, p) for p in (9, 10, 19, 20)] == [False, True, True, False]
-    assert [ramp.under_way(32.0, p) for p in (10, 18, 19)] == [True, True, False]
-    assert ramp.share(32.0, 14) == pytest.approx((1.0 + 31.0 * 0.5) / 32.0)
+    climb = [1.0 + 31.0 * k / RAMP_STEPS for k in range(1, RAMP_STEPS + 1)]
+    assert [ramp.in_effect(32.0, p) for p in range(9, last + 2)] == pytest.approx([1.0, *climb, 32.0])
+    assert ramp.in_effect(32.0, last) == 32.0  # exactly, as an unramped run has it
+    assert [ramp.moving(32.0, p) for p in (9, 10, last, last + 1)] == [False, True, True, False]
+    assert [ramp.under_way(32.0, p) for p in (10, last - 1, last)] == [True, True, False]
+    assert ramp.share(32.0, 11) == pytest.approx(climb[1] / 32.0)
     # The steps since the undo point (before update 11) took the mean of what was in effect for them.
-    assert ramp.mean_raise(1.0, 32.0, position=15, steps=5) == pytest.approx(1.0 + 31.0 * 0.3)
-    assert ramp.mean_raise(1.0, 32.0, position=20, steps=10) == pytest.approx(1.0 + 31.0 * 0.55)
+    assert ramp.mean_raise(1.0, 32.0, position=12, steps=2) == pytest.approx(statistics.fmean(climb[:2]))
+    assert ramp.mean_raise(1.0, 32.0, position=last + 2, steps=RAMP_STEPS + 1) == pytest.approx(
+        statistics.fmean([*climb, 32.0]))
     assert ramp.in_effect(1.0, 12) == 1.0 and not ramp.under_way(1.0, 12)  # undone: the ramp is over
     small = RaiseRamp()
     small.begin(30, before=2.0, raised=8.0)  # 4x: MAX_ALIGNED_RAISE, at once
@@ -63,6 +65,14 @@ def _strongly_aligned_run(monkeypatch, output_dir, reach: float = 100.0, faults:
     cls = HybridHFTrainer if faults is None else with_faults(HybridHFTrainer, faults)
     return cls(model=tiny_gpt2(), args=hybrid_args(output_dir, **{**RUN, **overrides}),
                train_dataset=token_dataset()), judged
+
+
+def _ramp_longer_than_the_readings_gap(monkeypatch) -> int:
+    """A raise's verdict comes RAISING_READ_EVERY steps on at the soonest, as a ramp of the default length ends: a
+    reading falls inside one only where the guard made steps up in it. A ramp twice as long puts the verdict inside."""
+    steps = 2 * RAISING_READ_EVERY
+    monkeypatch.setattr("hf_hybrid.autopilot.ramp.RAMP_STEPS", steps)
+    return steps
 
 
 def _lr_scales(trainer: HybridHFTrainer) -> list[float]:
@@ -104,14 +114,16 @@ def test_a_step_the_guard_skips_inside_the_ramp_is_not_judged_as_a_raised_step(t
 def test_no_raise_starts_until_the_ramp_is_done(tmp_out, monkeypatch):
     """Every line reads 24 steps: 12x at step 10, ramped; kept at the next reading, and the next raise (the rest of the
     cap, 2.7x, at once) only once the ramp has reached 12x."""
+    ramp_steps = _ramp_longer_than_the_readings_gap(monkeypatch)
     trainer, judged = _strongly_aligned_run(monkeypatch, tmp_out, reach=24.0, max_steps=60)
     trainer.train()
     assert trainer._lr_autopilot.scale.scale == 32.0 and trainer._lr_autopilot.scale.raises_kept == 2
     lrs = _lr_scales(trainer)
     first = next(i for i, lr in enumerate(lrs) if lr > 1.0)
-    assert lrs[first:first + RAMP_STEPS] == pytest.approx([1.0 + 11.0 * k / RAMP_STEPS for k in range(1, 11)])
+    climb = [1.0 + 11.0 * k / ramp_steps for k in range(1, ramp_steps + 1)]
+    assert lrs[first:first + ramp_steps] == pytest.approx(climb)
     second = next(i for i, lr in enumerate(lrs) if lr > 12.0 * 1.001)
-    assert second > first + RAMP_STEPS - 1 and lrs[second] == pytest.approx(32.0)  # at once: a raise of 4x or less
+    assert second > first + ramp_steps - 1 and lrs[second] == pytest.approx(32.0)  # at once: a raise of 4x or less
     assert [raise_ for raise_, _, _ in judged][1] == pytest.approx(32.0 / 12.0)
 
 
@@ -119,6 +131,7 @@ def test_a_reading_inside_the_ramp_counts_its_steps_at_the_scale_they_were_read_
     """The line runs along the step at the LR in effect when the reading starts (the last position's, before this
     step's `_apply`); the reach is counted in steps of the judged scale, so the schedule factor handed to the reading
     is that LR over the judged scale's (a constant schedule: 1 outside a ramp)."""
+    _ramp_longer_than_the_readings_gap(monkeypatch)
     trainer, _ = _strongly_aligned_run(monkeypatch, tmp_out, reach=24.0, max_steps=60)
     read = LrScale.reading
     seen: list[tuple[float, float]] = []

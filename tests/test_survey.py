@@ -104,7 +104,8 @@ def test_only_reports_whose_hybrid_runs_cannot_have_raised_past_4x_or_were_measu
         return {"hybrid_stats": {"lr_start_alignment": alignment, "lr_raises_kept": kept, "lr_trials_undone": undone,
                                  "lr_lowered": 0, "lr_scale": scale}}
 
-    old = {"behaviour_version": 8, "behaviour_carried": {"from": 7}}
+    old_version, new_version = carry_reports.FROM, carry_reports.TO
+    old = {"behaviour_version": old_version, "behaviour_carried": {"from": old_version - 1}}
 
     def user(name: str, run: dict) -> Path:
         return write(name, {"learning_rate": 1e-4, "environment": dict(old), "hybrid": [run]})
@@ -115,7 +116,7 @@ def test_only_reports_whose_hybrid_runs_cannot_have_raised_past_4x_or_were_measu
     small_raises = user("b-user-seed1.json", stats(0.45, 2, scale=4.0))
     never_raised = user("c-user-seed0.json", stats(0.5, 0))
     checked_again = write("a-hybrid-seed0.json", {"arm": "hybrid", "environment": dict(old), "runs": [
-        {"learning_rate": 1e-4, **stats(0.4, 1, scale=32.0), "environment": {"behaviour_version": 9}},
+        {"learning_rate": 1e-4, **stats(0.4, 1, scale=32.0), "environment": {"behaviour_version": new_version}},
         {"learning_rate": 1e-3, **stats(0.02, 1, scale=2.0)}]})
     stale = write("b-hybrid-seed0.json", {"arm": "hybrid", "environment": dict(old), "runs": [
         {"learning_rate": 1e-4, **stats(0.4, 1, scale=17.7)}, {"learning_rate": 1e-3, **stats(0.02, 0)}]})
@@ -128,11 +129,10 @@ def test_only_reports_whose_hybrid_runs_cannot_have_raised_past_4x_or_were_measu
         sys.argv = argv
     paths = (below_gate, raised_past_4x, undone, small_raises, never_raised, checked_again, stale, sweep)
     version = {p.name: json.loads(p.read_text())["environment"]["behaviour_version"] for p in paths}
-    assert version == {"a-user-seed0.json": 9, "a-user-seed1.json": 8, "b-user-seed0.json": 8, "b-user-seed1.json": 9,
-                       "c-user-seed0.json": 9, "a-hybrid-seed0.json": 9, "b-hybrid-seed0.json": 8,
-                       "a-sweep-seed0.json": 8}
-    carried = json.loads(below_gate.read_text())["environment"]["behaviour_carried"]
-    assert carried["from"] == 8 and carried["earlier"] == {"from": 7}
+    carried = {"a-user-seed0.json", "b-user-seed1.json", "c-user-seed0.json", "a-hybrid-seed0.json"}
+    assert version == {p.name: new_version if p.name in carried else old_version for p in paths}
+    record = json.loads(below_gate.read_text())["environment"]["behaviour_carried"]
+    assert record["from"] == old_version and record["earlier"] == {"from": old_version - 1}
 
 
 def test_a_run_of_the_hybrid_alone_carries_the_peers_from_the_kept_report_and_says_so():
