@@ -41,7 +41,8 @@ def untouched(run: dict) -> bool:
     below_gate = alignment is not None and alignment < STRONGLY_ALIGNED
     small_raises = undone == 0 and stats.get("lr_lowered", 0) == 0 and stats.get("lr_scale", 1.0) <= MAX_ALIGNED_RAISE
     measured_again = _version(run.get("environment")) == TO
-    return measured_again or (bool(stats) and (kept + undone == 0 or below_gate or small_raises))
+    never_raised = kept + undone == 0 and stats.get("lr_scale", 1.0) == 1.0  # not a trial still open at the end
+    return measured_again or (bool(stats) and (never_raised or below_gate or small_raises))
 
 
 def carry(path: Path, why: str) -> None:

@@ -69,7 +69,8 @@ def _strongly_aligned_run(monkeypatch, output_dir, reach: float = 100.0, faults:
 
 def _ramp_longer_than_the_readings_gap(monkeypatch) -> int:
     """A raise's verdict comes RAISING_READ_EVERY steps on at the soonest, as a ramp of the default length ends: a
-    reading falls inside one only where the guard made steps up in it. A ramp twice as long puts the verdict inside."""
+    reading falls inside one only where steps were made up in it (a guard skip, a rolled-back jump). A ramp twice as
+    long puts the verdict inside."""
     steps = 2 * RAISING_READ_EVERY
     monkeypatch.setattr("hf_hybrid.autopilot.ramp.RAMP_STEPS", steps)
     return steps
@@ -97,9 +98,9 @@ def test_a_strongly_aligned_32x_raise_ramps_in_and_is_judged_as_taken(tmp_out, m
 
 
 def test_a_step_the_guard_skips_inside_the_ramp_is_not_judged_as_a_raised_step(tmp_out, monkeypatch):
-    """A NaN loss at the second step after the raise: the guard skips that update and the schedule takes its position
-    again on the next step. The verdict reads the mean raise over the updates made since the undo point; counted in
-    global steps, it would reach back one position before the undo point, to the user's LR."""
+    """A NaN loss at step 14, the second raised step here: the guard skips that update and the schedule takes its
+    position again on the next step. The verdict reads the mean raise over the updates made since the undo point;
+    counted in global steps, it would reach back one position before the undo point, to the user's LR."""
     trainer, judged = _strongly_aligned_run(monkeypatch, tmp_out, faults=FaultPlan(nan_step=13))
     trainer.train()
     assert trainer.hybrid_stats()["skipped_steps"] == 1

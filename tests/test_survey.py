@@ -115,6 +115,7 @@ def test_only_reports_whose_hybrid_runs_cannot_have_raised_past_4x_or_were_measu
     undone = user("b-user-seed0.json", stats(0.3, 0, 1))  # how far the undone raise went is not recorded
     small_raises = user("b-user-seed1.json", stats(0.45, 2, scale=4.0))
     never_raised = user("c-user-seed0.json", stats(0.5, 0))
+    open_at_the_end = user("c-user-seed1.json", stats(0.5, 0, scale=32.0))  # a trial the run ended inside
     checked_again = write("a-hybrid-seed0.json", {"arm": "hybrid", "environment": dict(old), "runs": [
         {"learning_rate": 1e-4, **stats(0.4, 1, scale=32.0), "environment": {"behaviour_version": new_version}},
         {"learning_rate": 1e-3, **stats(0.02, 1, scale=2.0)}]})
@@ -127,7 +128,8 @@ def test_only_reports_whose_hybrid_runs_cannot_have_raised_past_4x_or_were_measu
         carry_reports.main()
     finally:
         sys.argv = argv
-    paths = (below_gate, raised_past_4x, undone, small_raises, never_raised, checked_again, stale, sweep)
+    paths = (below_gate, raised_past_4x, undone, small_raises, never_raised, open_at_the_end, checked_again, stale,
+             sweep)
     version = {p.name: json.loads(p.read_text())["environment"]["behaviour_version"] for p in paths}
     carried = {"a-user-seed0.json", "b-user-seed1.json", "c-user-seed0.json", "a-hybrid-seed0.json"}
     assert version == {p.name: new_version if p.name in carried else old_version for p in paths}

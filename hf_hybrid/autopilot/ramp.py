@@ -5,9 +5,9 @@ sized by a line that may show no bottom. Made at once, such a raise can end a ru
 where the same LR reached over a few steps does not: on a LoRA at a tenth of its swept LR, the plain Trainer on the
 hybrid's path (10 warmup steps, then 32x the user's LR at once) ended as far above the Trainer started at the raised LR
 as the hybrid did, and on the same path with the raise spread over 10 steps it ended level with it (docs/benchmarks.md,
-"Two fresh settings, never tuned on"). Spread over 5 steps, the hybrid ends that LoRA as far below the Trainer as over
-10, and gives back most of what the longer ramp cost at the user's LR (docs/benchmarks.md, "A raise past 4x ramped in
-over 5 steps"). Raises of up to 4x take effect at once: every report measured them that way.
+"Two fresh settings, never tuned on"). Spread over 5 steps, the hybrid still ends that LoRA well below the Trainer, and
+gives back most of what a 10-step ramp cost at the user's LR (docs/benchmarks.md, "A raise past 4x ramped in over 5
+steps"). Raises of up to 4x take effect at once: every report measured them that way.
 
 The verdict (autopilot/verdict.py) sets the raised weights against where the user's LR would have taken them over the
 same batches. Adam's steps are proportional to the learning rate, so under a ramp the raised steps went the mean scale
