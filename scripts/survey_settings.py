@@ -73,6 +73,9 @@ def survey_settings(finetune: dict) -> dict[str, dict]:
     fresh = {
         "scratch-3x64-shakespeare-cosine-batch4": _scratch(3, 64, 2, "shakespeare", "cosine", 10, 300, batch=4),
         "lora4-docs-constant": _finetune(finetune, "constant_with_warmup", 10, 200, lora_r=4),
+        # Written after behaviour version 10 (the 5-step ramp) was fixed, as a held-out check of it: a LoRA under
+        # warmup-stable-decay with gradient accumulation, which no other setting combines.
+        "lora8-docs-wsd-accum2": _finetune(finetune, "warmup_stable_decay", 10, 300, batch=4, accum=2, lora_r=8),
     }
     return {name: dict(setting, half=half) for half, group in (("tune", tune), ("report", report), ("fresh", fresh))
             for name, setting in group.items()}
