@@ -198,6 +198,44 @@ def test_tensorboard_gets_numeric_hybrid_scalars(tmp_path, monkeypatch):
     assert series["train/hybrid/backward_reduction"][-1] == pytest.approx(stats["backward_reduction"], rel=1e-6)
 
 
+# ---- losses that take the labels out of the batch ---------------------------------------------------------
+
+
+class _LabelledLoss:
+    """A `compute_loss_func`: the model's own next-token loss, noting whether each call got the batch's labels."""
+
+    def __init__(self) -> None:
+        self.calls_without_labels = 0
+        self.calls = 0
+
+    def __call__(self, outputs, labels, num_items_in_batch=None):
+        self.calls += 1
+        if labels is None:
+            self.calls_without_labels += 1
+            return outputs.logits.sum() * 0.0
+        return torch.nn.functional.cross_entropy(outputs.logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+
+
+@pytest.mark.parametrize("loss_setup", ["label_smoothing_factor", "compute_loss_func"])
+def test_a_loss_that_pops_the_labels_still_reads_and_judges_on_them(tmp_path, loss_setup):
+    """`Trainer.compute_loss` pops "labels" from the batch it is given under a label smoother or a
+    `compute_loss_func`; the probe batch the autopilot and the jumps read again and again must keep them."""
+    loss_func = _LabelledLoss()
+    overrides = dict(max_steps=60, hybrid_payoff_check=True)
+    if loss_setup == "label_smoothing_factor":
+        overrides["label_smoothing_factor"] = 0.1
+    trainer = make_trainer(tmp_path / "out", **overrides)
+    if loss_setup == "compute_loss_func":
+        trainer.compute_loss_func = loss_func
+    trainer.train()
+
+    stats = trainer.hybrid_stats()
+    assert stats["lr_readings"] >= 1 and stats["predictions_judged"] >= 1, stats
+    assert loss_func.calls_without_labels == 0
+    if loss_setup == "compute_loss_func":
+        assert loss_func.calls > stats["backward_steps"], "the probe's forwards went through the user's loss"
+
+
 # ---- one-line errors ----------------------------------------------------------------------------------
 
 

@@ -2,7 +2,8 @@
 or by sequence; and a micro-batch's loss on the Trainer's own scale.
 
 Both run under a forked RNG, so their dropout masks never shift the real steps' ones: a rolled-back jump must leave no
-trace in the training that follows.
+trace in the training that follows. Each forward gets its own shallow copy of the probe batch: `Trainer.compute_loss`
+pops "labels" from the batch it is given under a label smoother or a `compute_loss_func`, and the probe is read again.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def probe_loss(trainer: Trainer, model: torch.nn.Module, probe: dict,
     given the Trainer's `num_items_in_batch` for a step whose one micro-batch is the probe, the loss as
     `Trainer.training_step` computes it."""
     with _paired_forward(trainer, model):
-        return trainer.compute_loss(model, probe, num_items_in_batch=num_items_in_batch).detach()
+        return trainer.compute_loss(model, dict(probe), num_items_in_batch=num_items_in_batch).detach()
 
 
 def probe_loss_by_sequence(trainer: Trainer, model: torch.nn.Module, probe: dict,
@@ -42,7 +43,8 @@ def probe_loss_by_sequence(trainer: Trainer, model: torch.nn.Module, probe: dict
                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`probe_loss`, and from the same forward each sequence's mean token loss (None where they cannot be read)."""
     with _paired_forward(trainer, model):
-        loss, outputs = trainer.compute_loss(model, probe, return_outputs=True, num_items_in_batch=num_items_in_batch)
+        loss, outputs = trainer.compute_loss(model, dict(probe), return_outputs=True,
+                                             num_items_in_batch=num_items_in_batch)
     logits = outputs.get("logits") if isinstance(outputs, dict) else None
     rows = sequence_losses(logits, probe.get("labels")) if _loss_is_causal_lm(trainer, model) else None
     return loss.detach(), rows
