@@ -1,15 +1,24 @@
-"""The mixin with the rest of the ecosystem: TRL's SFTTrainer, PEFT/LoRA, TensorBoard, bf16 autocast on CPU,
-and the one-line errors for set-ups that cannot work."""
+"""The mixin with the rest of the ecosystem: TRL's SFTTrainer, Seq2SeqTrainer, PEFT/LoRA, TensorBoard, bf16
+autocast on CPU, losses that pop the labels, and the one-line errors for set-ups that cannot work."""
 
 from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 
 import pytest
 import torch
 from datasets import Dataset
-from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    Seq2SeqTrainer,
+    Seq2SeqTrainingArguments,
+    T5Config,
+    T5ForConditionalGeneration,
+    TrainerCallback,
+)
 
 from hf_hybrid import HybridHFTrainer, HybridMixin, HybridTrainingArguments, Phase
 
@@ -132,6 +141,40 @@ def test_sft_trainer_with_mixin_predicts_and_skips_the_optimizer(tmp_path):
     assert checked
     for prev, row in checked:
         assert abs(row["loss"] - prev["loss"]) < 0.5, (prev, row)
+
+
+# ---- any other Trainer subclass ------------------------------------------------------------------------
+
+
+@dataclass
+class _HybridSeq2SeqArguments(Seq2SeqTrainingArguments, HybridTrainingArguments):
+    """Paired as `HybridSFTConfig` pairs TRL's config: the subclass's arguments first, so its defaults win."""
+
+
+class _HybridSeq2SeqTrainer(HybridMixin, Seq2SeqTrainer):
+    pass
+
+
+def test_an_encoder_decoder_under_seq2seq_trainer_gains_the_hybrid_through_the_mixin(tmp_path):
+    torch.manual_seed(0)
+    model = T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=32, d_kv=16, d_ff=64, num_layers=2,
+                                                num_heads=2, decoder_start_token_id=0, pad_token_id=0))
+    before = flat_params(model)
+    args = _HybridSeq2SeqArguments(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, learning_rate=3e-3, max_steps=40,
+        save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True, seed=0,
+        **dict(FAST_SCHEDULE, hybrid_payoff_check=True),
+    )
+    trainer = _HybridSeq2SeqTrainer(model=model, args=args, train_dataset=token_dataset())
+    counter = OptimizerStepCounter()
+    trainer.add_callback(counter)
+    trainer.train()
+
+    stats = trainer.hybrid_stats()
+    assert stats["predict_steps"] > 0 and stats["predictions_judged"] >= 1 and stats["lr_readings"] >= 1, stats
+    assert_optimizer_ran_only_on_real_steps(trainer, counter)
+    after = flat_params(model)
+    assert torch.isfinite(after).all() and not torch.equal(before, after)
 
 
 # ---- PEFT ---------------------------------------------------------------------------------------------
