@@ -82,7 +82,8 @@ class HybridTrainingArguments(TrainingArguments):
             guard flagged; a guard rollback halves a raised scale. Where the schedule has no decay of its own
             (constant), a raised scale returns to 1 over the run's last fifth, and no raise starts in the 10 steps
             before that. Needs the guard's snapshots, an Adam-family optimizer and a schedule that scales with its
-            base learning rate (not `reduce_lr_on_plateau`). `False` keeps `--learning_rate` exactly.
+            base learning rate, a `LambdaLR` (every named schedule but `reduce_lr_on_plateau`; a scheduler passed in
+            `optimizers` must be one too). `False` keeps `--learning_rate` exactly.
         hybrid_monitor_interval (`int`, defaults to `1`):
             Run a forward pass to check the loss on every N-th predicted step (and always on a phase's last);
             skipped steps cost almost nothing but are unchecked until the next check.

@@ -33,7 +33,7 @@ from .end_line import RunEnd, end_line
 from .line import SPACING, adam_family, next_step_line
 from .ramp import RaiseRamp
 from .scale import LrScale
-from .setup import inner_scheduler, lr_autopilot_missing, scalable_schedule
+from .setup import inner_scheduler, lr_autopilot_missing, unscalable_schedule
 from .verdict import raise_gain
 
 logger = logging.get_logger(__name__)
@@ -288,8 +288,8 @@ def build_autopilot(trainer: HybridTrainer, guard_loop: GuardAtLoop | None) -> L
     missing = lr_autopilot_missing(trainer.hybrid_config)
     if missing is None:
         return None
-    if not scalable_schedule(trainer):
-        missing.append("a schedule that scales with its base learning rate (not reduce_lr_on_plateau)")
+    if reason := unscalable_schedule(trainer):
+        missing.append(reason)
     if not adam_family(trainer.optimizer):
         missing.append("an Adam-family optimizer, whose next step it reads (autopilot/line.py)")
     if missing:

@@ -28,11 +28,14 @@ def inner_scheduler(trainer: HybridTrainer) -> LRScheduler:
     return getattr(trainer.lr_scheduler, "scheduler", trainer.lr_scheduler)
 
 
-def scalable_schedule(trainer: HybridTrainer) -> bool:
-    """Whether the Trainer's scheduler scales with its base learning rates (a `LambdaLR`: every named schedule but
-    `reduce_lr_on_plateau`)."""
+def unscalable_schedule(trainer: HybridTrainer) -> str | None:
+    """What the autopilot lacks in the Trainer's scheduler, or None where it scales with its base learning rates (a
+    `LambdaLR`: every named schedule but `reduce_lr_on_plateau`), naming the scheduler the run has."""
     scheduler = inner_scheduler(trainer)
-    return hasattr(scheduler, "base_lrs") and hasattr(scheduler, "lr_lambdas")
+    if hasattr(scheduler, "base_lrs") and hasattr(scheduler, "lr_lambdas"):
+        return None
+    return (f"a schedule that scales with its base learning rate, a LambdaLR as every --lr_scheduler_type but "
+            f"reduce_lr_on_plateau builds (this run's is a {type(scheduler).__name__})")
 
 
 def plain_stats() -> dict:
