@@ -11,17 +11,23 @@ from pathlib import Path
 
 def build_model_and_data(preset: dict, seed: int):
     """The preset's GPT-2, initialized from `seed` or loaded from its pretrained checkpoint (the same start in every
-    arm), optionally wrapped in LoRA adapters, with the preset's shipped corpus in blocks and the evaluation subset."""
+    arm), optionally wrapped in LoRA adapters, with the preset's shipped corpus in blocks and the evaluation subset.
+    A preset with a `task` fine-tunes the pretrained body with a sequence-classification head on that task."""
     import torch
-    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, GPT2Config, GPT2LMHeadModel
 
     from hf_hybrid.data import load_shipped_tokenizer
 
     tokenizer = load_shipped_tokenizer()
     datasets = tokenized_corpus(preset.get("corpus", "shakespeare"), preset["block_size"])
+    if preset.get("task") == "shuffled-half":
+        datasets = shuffled_half_task(datasets)
     eval_set = datasets["validation"].select(range(min(preset["eval_blocks"], len(datasets["validation"]))))
     torch.manual_seed(seed)
-    if "pretrained" in preset:
+    if "task" in preset:  # the pretrained body with a new classification head, initialized from `seed`
+        model = AutoModelForSequenceClassification.from_pretrained(
+            pretrained_checkpoint(preset), num_labels=2, pad_token_id=tokenizer.eos_token_id)
+    elif "pretrained" in preset:
         model = AutoModelForCausalLM.from_pretrained(pretrained_checkpoint(preset))
     else:
         config = GPT2Config(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
@@ -44,6 +50,27 @@ def tokenized_corpus(corpus: str, block_size: int):
     from hf_hybrid.data import build_lm_datasets, load_shipped_corpus, load_shipped_tokenizer
 
     return build_lm_datasets(load_shipped_corpus(corpus), load_shipped_tokenizer(), block_size)
+
+
+def shuffled_half_task(datasets):
+    """A two-class task made from the corpus's blocks, as a classifier fine-tune's data: in about half the blocks,
+    drawn per block from its split and index, the second half's tokens are shuffled (label 1), the rest are left as
+    written (label 0). Word order is the only signal: both classes hold the same tokens."""
+    import random
+
+    from datasets import DatasetDict
+
+    def relabel(example: dict, index: int, split: str) -> dict:
+        draw = random.Random(f"{split}-{index}")
+        ids, label = list(example["input_ids"]), int(draw.random() < 0.5)
+        if label:
+            tail = ids[len(ids) // 2:]
+            draw.shuffle(tail)
+            ids[len(ids) // 2:] = tail
+        return {"input_ids": ids, "labels": label}
+
+    return DatasetDict({split: data.map(relabel, with_indices=True, fn_kwargs={"split": split}, desc="Labelling")
+                        for split, data in datasets.items()})
 
 
 def pretrained_checkpoint(preset: dict) -> str:

@@ -31,7 +31,7 @@ def test_sequence_losses_split_the_models_own_loss_by_sequence():
     assert sequence_losses(out.logits, None) is None
 
 
-def test_probe_losses_by_sequence_for_a_causal_lm_and_none_for_another_head(tmp_out):
+def test_probe_losses_by_sequence_for_a_causal_lm_and_a_classifier_and_none_for_a_regression_head(tmp_out):
     trainer = make_trainer(tmp_out)
     batch = {"input_ids": torch.arange(2 * BLOCK).view(2, BLOCK) % VOCAB}
     batch["labels"] = batch["input_ids"].clone()
@@ -39,11 +39,21 @@ def test_probe_losses_by_sequence_for_a_causal_lm_and_none_for_another_head(tmp_
     assert float(loss) == float(probe_loss(trainer, trainer.model, batch))  # the same paired forward
     assert rows.shape == (2,) and float(rows.mean()) == pytest.approx(float(loss), rel=1e-5)
 
-    classifier = GPT2ForSequenceClassification(GPT2Config(vocab_size=VOCAB, n_positions=BLOCK, n_embd=32, n_layer=1,
-                                                           n_head=2, pad_token_id=0))
-    other = make_trainer(tmp_out, model=classifier)
-    loss, rows = probe_loss_by_sequence(other, other.model, {"input_ids": batch["input_ids"],
-                                                             "labels": torch.tensor([0, 1])})
+    def head(num_labels):
+        torch.manual_seed(0)
+        return GPT2ForSequenceClassification(GPT2Config(vocab_size=VOCAB, n_positions=BLOCK, n_embd=32, n_layer=1,
+                                                        n_head=2, pad_token_id=0, num_labels=num_labels))
+
+    classifier = make_trainer(tmp_out, model=head(3))
+    labels = torch.tensor([0, 2])
+    loss, rows = probe_loss_by_sequence(classifier, classifier.model, {"input_ids": batch["input_ids"],
+                                                                       "labels": labels})
+    assert rows.shape == (2,) and float(rows.mean()) == pytest.approx(float(loss), rel=1e-5)
+    assert float(rows[0]) != pytest.approx(float(rows[1]))  # each example's own, not the mean twice
+
+    regression = make_trainer(tmp_out, model=head(1))
+    loss, rows = probe_loss_by_sequence(regression, regression.model, {"input_ids": batch["input_ids"],
+                                                                       "labels": torch.tensor([0.5, -1.0])})
     assert rows is None and math.isfinite(float(loss))
 
 

@@ -1,5 +1,5 @@
 """Forward passes the hybrid runs besides training: the Predict step's loss check and the probe's paired loss, whole
-or by sequence; and a micro-batch's loss on the Trainer's own scale.
+or by sequence (a causal LM's or a sequence classifier's); and a micro-batch's loss on the Trainer's own scale.
 
 Both run under a forked RNG, so their dropout masks never shift the real steps' ones: a rolled-back jump must leave no
 trace in the training that follows. Each forward gets its own shallow copy of the probe batch: `Trainer.compute_loss`
@@ -8,7 +8,7 @@ pops "labels" from the batch it is given under a label smoother or a `compute_lo
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -46,15 +46,32 @@ def probe_loss_by_sequence(trainer: Trainer, model: torch.nn.Module, probe: dict
         loss, outputs = trainer.compute_loss(model, dict(probe), return_outputs=True,
                                              num_items_in_batch=num_items_in_batch)
     logits = outputs.get("logits") if isinstance(outputs, dict) else None
-    rows = sequence_losses(logits, probe.get("labels")) if _loss_is_causal_lm(trainer, model) else None
-    return loss.detach(), rows
+    split = _loss_split(trainer, model)
+    return loss.detach(), split(logits, probe.get("labels")) if split is not None else None
 
 
-def _loss_is_causal_lm(trainer: Trainer, model: torch.nn.Module) -> bool:
-    """Whether the loss is the model's own causal-LM cross-entropy, which `sequence_losses` splits by sequence."""
+def _loss_split(trainer: Trainer, model: torch.nn.Module) -> Callable | None:
+    """What splits the loss by sequence where it is the model's own: a causal LM's cross-entropy over its tokens
+    (`sequence_losses`), or single-label sequence classification's over its classes (`example_losses`)."""
     if getattr(trainer, "label_smoother", None) is not None or trainer.compute_loss_func is not None:
-        return False
-    return getattr(trainer.accelerator.unwrap_model(model), "loss_function", None) is ForCausalLMLoss
+        return None
+    unwrapped = trainer.accelerator.unwrap_model(model)
+    if getattr(unwrapped, "loss_function", None) is ForCausalLMLoss:
+        return sequence_losses
+    config = getattr(unwrapped, "config", None)
+    if type(unwrapped).__name__.endswith("ForSequenceClassification") and getattr(
+            config, "problem_type", None) == "single_label_classification":
+        return example_losses
+    return None
+
+
+@torch.no_grad()
+def example_losses(logits: torch.Tensor | None, labels: torch.Tensor | None) -> torch.Tensor | None:
+    """Each example's cross-entropy over its classes, as a sequence classifier's single-label loss averages them
+    (-100 ignored); None unless `logits` is (batch, classes) and `labels` (batch,)."""
+    if logits is None or labels is None or logits.dim() != 2 or labels.shape != logits.shape[:1]:
+        return None
+    return F.cross_entropy(logits.float(), labels.to(logits.device), ignore_index=-100, reduction="none")
 
 
 @torch.no_grad()
