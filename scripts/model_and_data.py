@@ -19,9 +19,10 @@ def build_model_and_data(preset: dict, seed: int):
     from hf_hybrid.data import load_shipped_tokenizer
 
     tokenizer = load_shipped_tokenizer()
-    datasets = tokenized_corpus(preset.get("corpus", "shakespeare"), preset["block_size"])
-    if preset.get("task") == "shuffled-half":
-        datasets = shuffled_half_task(datasets)
+    if preset.get("task") == "corpus-source":
+        datasets = corpus_source_task(preset["block_size"])
+    else:
+        datasets = tokenized_corpus(preset.get("corpus", "shakespeare"), preset["block_size"])
     eval_set = datasets["validation"].select(range(min(preset["eval_blocks"], len(datasets["validation"]))))
     torch.manual_seed(seed)
     if "task" in preset:  # the pretrained body with a new classification head, initialized from `seed`
@@ -52,25 +53,20 @@ def tokenized_corpus(corpus: str, block_size: int):
     return build_lm_datasets(load_shipped_corpus(corpus), load_shipped_tokenizer(), block_size)
 
 
-def shuffled_half_task(datasets):
-    """A two-class task made from the corpus's blocks, as a classifier fine-tune's data: in about half the blocks,
-    drawn per block from its split and index, the second half's tokens are shuffled (label 1), the rest are left as
-    written (label 0). Word order is the only signal: both classes hold the same tokens."""
-    import random
+def corpus_source_task(block_size: int):
+    """A two-class task made from the shipped corpora, as a classifier fine-tune's data: each block labelled by the
+    corpus it comes from (0: Shakespeare, 1: the transformers docstrings), as many of each per split, in an order
+    shuffled once (seed 0)."""
+    from datasets import DatasetDict, concatenate_datasets
 
-    from datasets import DatasetDict
-
-    def relabel(example: dict, index: int, split: str) -> dict:
-        draw = random.Random(f"{split}-{index}")
-        ids, label = list(example["input_ids"]), int(draw.random() < 0.5)
-        if label:
-            tail = ids[len(ids) // 2:]
-            draw.shuffle(tail)
-            ids[len(ids) // 2:] = tail
-        return {"input_ids": ids, "labels": label}
-
-    return DatasetDict({split: data.map(relabel, with_indices=True, fn_kwargs={"split": split}, desc="Labelling")
-                        for split, data in datasets.items()})
+    corpora = [tokenized_corpus(name, block_size) for name in ("shakespeare", "transformers-docs")]
+    splits = {}
+    for split in ("train", "validation"):
+        size = min(len(corpus[split]) for corpus in corpora)
+        parts = [corpus[split].select(range(size)).map(lambda _, label=label: {"labels": label}, desc="Labelling")
+                 for label, corpus in enumerate(corpora)]
+        splits[split] = concatenate_datasets(parts).shuffle(seed=0).flatten_indices()
+    return DatasetDict(splits)
 
 
 def pretrained_checkpoint(preset: dict) -> str:
