@@ -53,11 +53,20 @@ def tokenized_corpus(corpus: str, block_size: int):
     return build_lm_datasets(load_shipped_corpus(corpus), load_shipped_tokenizer(), block_size)
 
 
+LABEL_NOISE = 0.1  # as real labels are: without it the task is learnt to 0.001, where no two LRs differ (0.0006-0.005)
+
+
 def corpus_source_task(block_size: int):
     """A two-class task made from the shipped corpora, as a classifier fine-tune's data: each block labelled by the
     corpus it comes from (0: Shakespeare, 1: the transformers docstrings), as many of each per split, in an order
-    shuffled once (seed 0)."""
+    shuffled once (seed 0), with a tenth of the labels flipped, drawn per block from its split and position."""
+    import random
+
     from datasets import DatasetDict, concatenate_datasets
+
+    def flip(example: dict, index: int, split: str) -> dict:
+        noisy = random.Random(f"{split}-{index}").random() < LABEL_NOISE
+        return {"labels": 1 - example["labels"] if noisy else example["labels"]}
 
     corpora = [tokenized_corpus(name, block_size) for name in ("shakespeare", "transformers-docs")]
     splits = {}
@@ -65,7 +74,8 @@ def corpus_source_task(block_size: int):
         size = min(len(corpus[split]) for corpus in corpora)
         parts = [corpus[split].select(range(size)).map(lambda _, label=label: {"labels": label}, desc="Labelling")
                  for label, corpus in enumerate(corpora)]
-        splits[split] = concatenate_datasets(parts).shuffle(seed=0).flatten_indices()
+        splits[split] = concatenate_datasets(parts).shuffle(seed=0).flatten_indices().map(
+            flip, with_indices=True, fn_kwargs={"split": split}, desc="Flipping")
     return DatasetDict(splits)
 
 
