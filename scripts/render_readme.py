@@ -6,8 +6,8 @@ that no number in it is typed by hand.
     python scripts/render_readme.py --write    # rewrite README.md's table
 
 One row per setting that has a report at the LR a user types (NAME-user-seedS.json): the fresh settings first, then
-the report half, then the tuning half, each in survey_settings.py's order, at most MAX_ROWS. A setting with no such
-report is left out.
+the report half, then the tuning half, each in survey_settings.py's order: every one, the weak ones too. A setting
+with no such report is left out.
 
 A report is current when its environment's behaviour_version is hf_hybrid.BEHAVIOUR_VERSION (the library raises it
 with every change that moves a run). A row's numbers come from current reports only, evaluated on the setting's
@@ -36,7 +36,6 @@ from survey_settings import at_current_version, counts_now, survey_settings  # n
 README = REPO / "README.md"
 SURVEY = REPO / "docs" / "survey"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
-MAX_ROWS = 14  # the survey has 14 settings: every one with runs is shown, the weak ones too
 NOT_MEASURED = "not measured at the current version"
 PEERS = {"prodigy": "Prodigy", "mechanic": "Mechanic", "sf": "schedule-free AdamW"}
 HEADER = ("| setting (half): the user's LR (the swept) | Trainer at the user's LR; at the swept LR | hybrid "
@@ -172,8 +171,6 @@ def rows(reports: Path = SURVEY) -> list[Row]:
             check, check_sources = _never_worse(name, reports)
             out.append(Row([setting, *_user_cells([r for _, r in used]), check],
                            [p for p, _ in used] + check_sources))
-        if len(out) == MAX_ROWS:
-            break
     return out
 
 
