@@ -99,7 +99,7 @@ class HybridTrainingArguments(TrainingArguments):
             that comes through its last step (its Correct steps, if it has any) without a rollback counts as kept.
         hybrid_probe_noise_margin (`float`, defaults to `2.0`):
             The payoff check keeps a jump only if its probe gain beats plain training's by this many standard errors
-            of the gain over the probe's sequences (read for transformers' causal LMs and single-label sequence
+            of the gain over the probe's sequences (read for transformers' language models and single-label sequence
             classifiers; elsewhere 0). 0 keeps any gain that beats plain training's.
         hybrid_predict_step_cost (`float`, defaults to `0.35`):
             Cost of a forward pass (a checked predicted step, a probe) relative to a real step, for the payoff

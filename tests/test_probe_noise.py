@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2ForSequenceClassification
+from transformers import GPT2Config, GPT2ForSequenceClassification, T5Config, T5ForConditionalGeneration
 
 from hf_hybrid.jumps.payoff import PayoffMeter
 from hf_hybrid.jumps.predict_step import paired_noise
@@ -31,7 +31,7 @@ def test_sequence_losses_split_the_models_own_loss_by_sequence():
     assert sequence_losses(out.logits, None) is None
 
 
-def test_probe_losses_by_sequence_for_a_causal_lm_and_a_classifier_and_none_for_a_regression_head(tmp_out):
+def test_probe_losses_by_sequence_for_a_causal_lm_a_classifier_and_an_encoder_decoder_and_none_for_regression(tmp_out):
     trainer = make_trainer(tmp_out)
     batch = {"input_ids": torch.arange(2 * BLOCK).view(2, BLOCK) % VOCAB}
     batch["labels"] = batch["input_ids"].clone()
@@ -50,6 +50,17 @@ def test_probe_losses_by_sequence_for_a_causal_lm_and_a_classifier_and_none_for_
                                                                        "labels": labels})
     assert rows.shape == (2,) and float(rows.mean()) == pytest.approx(float(loss), rel=1e-5)
     assert float(rows[0]) != pytest.approx(float(rows[1]))  # each example's own, not the mean twice
+
+    torch.manual_seed(0)
+    t5 = T5ForConditionalGeneration(T5Config(vocab_size=VOCAB, d_model=32, d_kv=16, d_ff=64, num_layers=1, num_heads=2,
+                                             decoder_start_token_id=0, pad_token_id=0))
+    encoder_decoder = make_trainer(tmp_out, model=t5)
+    targets = batch["labels"].clone()
+    targets[1, 5:] = -100
+    loss, rows = probe_loss_by_sequence(encoder_decoder, encoder_decoder.model, {"input_ids": batch["input_ids"],
+                                                                                 "labels": targets})
+    counts = (targets != -100).sum(1)  # its labels are the decoder's targets as they stand: no shift
+    assert float((rows * counts).sum() / counts.sum()) == pytest.approx(float(loss), rel=1e-5)
 
     regression = make_trainer(tmp_out, model=head(1))
     loss, rows = probe_loss_by_sequence(regression, regression.model, {"input_ids": batch["input_ids"],

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler
+
 from .scale import LrScale
 
 if TYPE_CHECKING:
-    from torch.optim.lr_scheduler import LRScheduler
-
     from ..config import HybridConfig
     from ..loop.seam import HybridTrainer
 
@@ -32,7 +32,7 @@ def unscalable_schedule(trainer: HybridTrainer) -> str | None:
     """What the autopilot lacks in the Trainer's scheduler, or None where it scales with its base learning rates (a
     `LambdaLR`: every named schedule but `reduce_lr_on_plateau`), naming the scheduler the run has."""
     scheduler = inner_scheduler(trainer)
-    if hasattr(scheduler, "base_lrs") and hasattr(scheduler, "lr_lambdas"):
+    if isinstance(scheduler, LambdaLR):  # not MultiplicativeLR, whose lambdas are each step's factor, not the schedule
         return None
     return (f"a schedule that scales with its base learning rate, a LambdaLR as every --lr_scheduler_type but "
             f"reduce_lr_on_plateau builds (this run's is a {type(scheduler).__name__})")

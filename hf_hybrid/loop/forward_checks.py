@@ -8,6 +8,8 @@ pops "labels" from the batch it is given under a label smoother or a `compute_lo
 
 from __future__ import annotations
 
+import copy
+import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -35,7 +37,7 @@ def probe_loss(trainer: Trainer, model: torch.nn.Module, probe: dict,
     given the Trainer's `num_items_in_batch` for a step whose one micro-batch is the probe, the loss as
     `Trainer.training_step` computes it."""
     with _paired_forward(trainer, model):
-        return trainer.compute_loss(model, dict(probe), num_items_in_batch=num_items_in_batch).detach()
+        return trainer.compute_loss(model, copy.copy(probe), num_items_in_batch=num_items_in_batch).detach()
 
 
 def probe_loss_by_sequence(trainer: Trainer, model: torch.nn.Module, probe: dict,
@@ -43,7 +45,7 @@ def probe_loss_by_sequence(trainer: Trainer, model: torch.nn.Module, probe: dict
                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`probe_loss`, and from the same forward each sequence's mean token loss (None where they cannot be read)."""
     with _paired_forward(trainer, model):
-        loss, outputs = trainer.compute_loss(model, dict(probe), return_outputs=True,
+        loss, outputs = trainer.compute_loss(model, copy.copy(probe), return_outputs=True,
                                              num_items_in_batch=num_items_in_batch)
     logits = outputs.get("logits") if isinstance(outputs, dict) else None
     split = _loss_split(trainer, model)
@@ -51,14 +53,15 @@ def probe_loss_by_sequence(trainer: Trainer, model: torch.nn.Module, probe: dict
 
 
 def _loss_split(trainer: Trainer, model: torch.nn.Module) -> Callable | None:
-    """What splits the loss by sequence where it is the model's own: a causal LM's cross-entropy over its tokens
-    (`sequence_losses`), or single-label sequence classification's over its classes (`example_losses`)."""
+    """What splits the loss by sequence where it is the model's own: a language model's cross-entropy over its tokens
+    (`sequence_losses`; an encoder-decoder's labels are its decoder's targets as they stand, unshifted), or
+    single-label sequence classification's over its classes (`example_losses`)."""
     if getattr(trainer, "label_smoother", None) is not None or trainer.compute_loss_func is not None:
         return None
     unwrapped = trainer.accelerator.unwrap_model(model)
-    if getattr(unwrapped, "loss_function", None) is ForCausalLMLoss:
-        return sequence_losses
     config = getattr(unwrapped, "config", None)
+    if getattr(unwrapped, "loss_function", None) is ForCausalLMLoss:
+        return functools.partial(sequence_losses, shift=not getattr(config, "is_encoder_decoder", False))
     if type(unwrapped).__name__.endswith("ForSequenceClassification") and getattr(
             config, "problem_type", None) == "single_label_classification":
         return example_losses
@@ -75,15 +78,18 @@ def example_losses(logits: torch.Tensor | None, labels: torch.Tensor | None) -> 
 
 
 @torch.no_grad()
-def sequence_losses(logits: torch.Tensor | None, labels: torch.Tensor | None) -> torch.Tensor | None:
-    """Each sequence's mean next-token loss, as transformers' `ForCausalLMLoss` counts tokens (labels shifted by one,
-    -100 ignored); None unless `logits` is (batch, length, vocabulary) and `labels` (batch, length). One sequence at
-    a time, so that the float32 copy of the logits is one sequence's, not the batch's."""
+def sequence_losses(logits: torch.Tensor | None, labels: torch.Tensor | None, shift: bool = True,
+                    ) -> torch.Tensor | None:
+    """Each sequence's mean token loss, as transformers' `ForCausalLMLoss` counts tokens (labels shifted by one, or
+    as they stand without `shift`; -100 ignored); None unless `logits` is (batch, length, vocabulary) and `labels`
+    (batch, length). One sequence at a time, so that the float32 copy of the logits is one sequence's, not the
+    batch's."""
     if logits is None or labels is None or logits.dim() != 3 or labels.shape != logits.shape[:2]:
         return None
-    targets = labels[:, 1:].to(logits.device)
-    sums = torch.stack([F.cross_entropy(logits[i, :-1].float(), targets[i], ignore_index=-100, reduction="sum")
-                        for i in range(len(targets))])
+    cut = int(shift)
+    targets = labels[:, cut:].to(logits.device)
+    sums = torch.stack([F.cross_entropy(logits[i, :logits.shape[1] - cut].float(), targets[i], ignore_index=-100,
+                                        reduction="sum") for i in range(len(targets))])
     return sums / (targets != -100).sum(1).clamp(min=1)
 
 
