@@ -16,6 +16,12 @@ from hf_hybrid.loop.forward_checks import probe_loss, probe_loss_by_sequence, se
 from .conftest import BLOCK, VOCAB, make_trainer, tiny_gpt2
 
 
+def classifier_head(num_labels: int) -> GPT2ForSequenceClassification:
+    torch.manual_seed(0)
+    return GPT2ForSequenceClassification(GPT2Config(vocab_size=VOCAB, n_positions=BLOCK, n_embd=32, n_layer=1,
+                                                    n_head=2, pad_token_id=0, num_labels=num_labels))
+
+
 def test_sequence_losses_split_the_models_own_loss_by_sequence():
     model = tiny_gpt2(seed=1)
     ids = torch.randint(0, VOCAB, (4, BLOCK), generator=torch.Generator().manual_seed(0))
@@ -39,12 +45,7 @@ def test_probe_losses_by_sequence_for_a_causal_lm_a_classifier_and_an_encoder_de
     assert float(loss) == float(probe_loss(trainer, trainer.model, batch))  # the same paired forward
     assert rows.shape == (2,) and float(rows.mean()) == pytest.approx(float(loss), rel=1e-5)
 
-    def head(num_labels):
-        torch.manual_seed(0)
-        return GPT2ForSequenceClassification(GPT2Config(vocab_size=VOCAB, n_positions=BLOCK, n_embd=32, n_layer=1,
-                                                        n_head=2, pad_token_id=0, num_labels=num_labels))
-
-    classifier = make_trainer(tmp_out, model=head(3))
+    classifier = make_trainer(tmp_out, model=classifier_head(3))
     labels = torch.tensor([0, 2])
     loss, rows = probe_loss_by_sequence(classifier, classifier.model, {"input_ids": batch["input_ids"],
                                                                        "labels": labels})
@@ -62,10 +63,21 @@ def test_probe_losses_by_sequence_for_a_causal_lm_a_classifier_and_an_encoder_de
     counts = (targets != -100).sum(1)  # its labels are the decoder's targets as they stand: no shift
     assert float((rows * counts).sum() / counts.sum()) == pytest.approx(float(loss), rel=1e-5)
 
-    regression = make_trainer(tmp_out, model=head(1))
+    regression = make_trainer(tmp_out, model=classifier_head(1))
     loss, rows = probe_loss_by_sequence(regression, regression.model, {"input_ids": batch["input_ids"],
                                                                        "labels": torch.tensor([0.5, -1.0])})
     assert rows is None and math.isfinite(float(loss))
+
+
+def test_a_lora_wrapped_classifier_is_split_by_example_too(tmp_out):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(classifier_head(2), LoraConfig(task_type="SEQ_CLS", r=4, target_modules=["c_attn"],
+                                                          fan_in_fan_out=True))
+    trainer = make_trainer(tmp_out, model=model)
+    batch = {"input_ids": torch.arange(3 * BLOCK).view(3, BLOCK) % VOCAB, "labels": torch.tensor([0, 1, 1])}
+    loss, rows = probe_loss_by_sequence(trainer, trainer.model, batch)
+    assert rows.shape == (3,) and float(rows.mean()) == pytest.approx(float(loss), rel=1e-5)
 
 
 def test_a_gain_within_its_noise_is_rejected_and_one_beyond_it_kept():
