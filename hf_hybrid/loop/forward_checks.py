@@ -1,5 +1,5 @@
 """Forward passes the hybrid runs besides training: the Predict step's loss check and the probe's paired loss, whole
-or by sequence (a causal LM's or a sequence classifier's); and a micro-batch's loss on the Trainer's own scale.
+or by sequence (a language model's or a sequence classifier's); and a micro-batch's loss on the Trainer's own scale.
 
 Both run under a forked RNG, so their dropout masks never shift the real steps' ones: a rolled-back jump must leave no
 trace in the training that follows. Each forward gets its own shallow copy of the probe batch: `Trainer.compute_loss`
