@@ -47,10 +47,39 @@ def build_model_and_data(preset: dict, seed: int):
 
 @functools.lru_cache
 def tokenized_corpus(corpus: str, block_size: int):
-    """A shipped corpus in blocks, tokenized once per process however many arms train on it."""
-    from hf_hybrid.data import build_lm_datasets, load_shipped_corpus, load_shipped_tokenizer
+    """A shipped corpus (or `torch-source`) in blocks, tokenized once per process however many arms train on it."""
+    from hf_hybrid.data import build_lm_datasets, load_shipped_corpus, load_shipped_tokenizer, load_text_dataset
 
-    return build_lm_datasets(load_shipped_corpus(corpus), load_shipped_tokenizer(), block_size)
+    raw = load_text_dataset(torch_source_files()) if corpus == "torch-source" else load_shipped_corpus(corpus)
+    return build_lm_datasets(raw, load_shipped_tokenizer(), block_size)
+
+
+SOURCE_CHARS = {"train": 2_500_000, "validation": 250_000}  # the docstrings corpus's sizes (build_docs_corpus.py)
+
+
+def torch_source_files() -> dict[str, str]:
+    """A code corpus, built here on first use and not shipped: the Python source of the installed torch (2.13.0 by the
+    Makefile, BSD-3-Clause), whole files, in an order and a train/validation split (one file in 20) both drawn from a
+    hash of each file's path, so that the corpus spans the package. The Python standard library's source stays out."""
+    import hashlib
+
+    import torch
+
+    out = Path(__file__).resolve().parent.parent / "runs" / "corpora" / f"torch-{torch.__version__}-source"
+    files = {split: out / f"{split}.txt" for split in SOURCE_CHARS}
+    if not all(path.exists() for path in files.values()):
+        root = Path(torch.__file__).parent
+        digest = {path: hashlib.sha1(path.relative_to(root).as_posix().encode()).hexdigest()
+                  for path in root.rglob("*.py")}
+        texts: dict[str, list[str]] = {split: [] for split in SOURCE_CHARS}
+        for path in sorted(digest, key=digest.get):
+            split = "validation" if int(digest[path], 16) % 20 == 0 else "train"
+            if sum(map(len, texts[split])) < SOURCE_CHARS[split]:
+                texts[split].append(path.read_text(encoding="utf-8"))
+        out.mkdir(parents=True, exist_ok=True)
+        for split, path in files.items():
+            path.write_text("\n".join(texts[split]), encoding="utf-8")
+    return {split: str(path) for split, path in files.items()}
 
 
 LABEL_NOISE = 0.1  # as real labels are: without it the task is learnt to 0.001, where no two LRs differ (0.0006-0.005)

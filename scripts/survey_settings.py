@@ -5,7 +5,8 @@ the tuning ended: settings no gate, cap or cadence was ever chosen with in view.
 
 Every setting is a benchmark preset (`survey-NAME`). Its `user_lr` is the LR a user types: `TrainingArguments`' 5e-5
 for fine-tuning, and a tenth of the setting's swept LR from scratch (`None` until its sweep is run: scripts/survey.py
-reads it from the sweep's report). Corpora are the shipped ones; the Python standard library's source is kept out.
+reads it from the sweep's report). Corpora are the shipped ones and one built from torch's source; the Python
+standard library's source is kept out.
 The GPU suite's two parts at the user's LR (docs/gpu-suite.md) belong to the report half too.
 """
 
@@ -81,6 +82,10 @@ def survey_settings(finetune: dict) -> dict[str, dict]:
         # 100 updates: in 300 the Trainer at 5e-5 reaches the labels' noise floor too (0.318 against 0.310 at the
         # best LR), where the time to its final loss measures the noise, not the learning rate.
         "classify-source-linear": dict(_finetune(finetune, "linear", 0, 100), task="corpus-source", eval_blocks=512),
+        # Written in session 55, after version 10: a fine-tune on code, a domain no other setting trains on (the
+        # Python source of the installed torch, scripts/model_and_data.py), at TrainingArguments' defaults: linear
+        # decay, no warmup.
+        "finetune-code-linear": dict(_finetune(finetune, "linear", 0, 300), corpus="torch-source"),
     }
     return {name: dict(setting, half=half) for half, group in (("tune", tune), ("report", report), ("fresh", fresh))
             for name, setting in group.items()}
