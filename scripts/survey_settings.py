@@ -86,6 +86,10 @@ def survey_settings(finetune: dict) -> dict[str, dict]:
         # Python source of the installed torch, scripts/model_and_data.py), at TrainingArguments' defaults: linear
         # decay, no warmup.
         "finetune-code-linear": dict(_finetune(finetune, "linear", 0, 300), corpus="torch-source"),
+        # And from scratch on the same code at TrainingArguments' defaults (5e-5, linear, no warmup, no weight decay):
+        # what a user gets who sets none, where the other from-scratch settings take a tenth of their swept LR.
+        "scratch-2x128-code-linear": dict(_scratch(2, 128, 4, "torch-source", "linear", 0, 300),
+                                          weight_decay=0.0, grid=FINETUNE_GRID, user_lr=FINETUNE_LR),
     }
     return {name: dict(setting, half=half) for half, group in (("tune", tune), ("report", report), ("fresh", fresh))
             for name, setting in group.items()}
