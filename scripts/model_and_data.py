@@ -72,10 +72,12 @@ def torch_source_files() -> dict[str, str]:
         digest = {path: hashlib.sha1(path.relative_to(root).as_posix().encode()).hexdigest()
                   for path in root.rglob("*.py")}
         texts: dict[str, list[str]] = {split: [] for split in SOURCE_CHARS}
+        sizes = dict.fromkeys(SOURCE_CHARS, 0)
         for path in sorted(digest, key=digest.get):
             split = "validation" if int(digest[path], 16) % 20 == 0 else "train"
-            if sum(map(len, texts[split])) < SOURCE_CHARS[split]:
+            if sizes[split] < SOURCE_CHARS[split]:
                 texts[split].append(path.read_text(encoding="utf-8"))
+                sizes[split] += len(texts[split][-1])
         out.mkdir(parents=True, exist_ok=True)
         for split, path in files.items():
             path.write_text("\n".join(texts[split]), encoding="utf-8")
