@@ -1,13 +1,13 @@
-"""Carry benchmark reports from behaviour version 9 to 10 where version 10 cannot have moved them.
+"""Carry benchmark reports from behaviour version 10 to 11 where version 11 cannot have moved them.
 
-Version 10 changes only raises past MAX_ALIGNED_RAISE (hf_hybrid/autopilot/ramp.py): they ramp in over RAMP_STEPS 5
-instead of 10. Only a run whose first steps read strongly aligned (autopilot/alignment.py, STRONGLY_ALIGNED) can raise
-past it. A hybrid run that read below that gate (its `hybrid_stats` record the alignment), tried no raise, or kept
-every raise it tried and ended at a scale of MAX_ALIGNED_RAISE or less (so no single raise went past it) took every
-decision as at version 9, bit for bit. A report is carried when every hybrid run in it is such a run, or was measured
-again at version 10 (`survey.py check NAME --learning_rates ...` merges those runs in, each
-with its own environment); otherwise it is left as it is and said so. The survey's reports by default; the presets'
-with `--reports docs/reports --pattern 'presets-v7-*.json'`.
+Version 11 changes only runs with a warmup shorter than FIRST_DESCENT_STEPS (hf_hybrid/autopilot/runner.py), none
+included, whose first steps read neither aligned nor opposed (autopilot/alignment.py): up to step 2 x
+FIRST_DESCENT_STEPS, a line that bottoms out no longer counts as evidence for a raise (autopilot/scale.py). A run with a
+longer warmup never reads there while a raise may start; an aligned run is not held; an opposed one starts no raise at
+all, so the autopilot never moves its weights. Such a run took every decision as at version 10, bit for bit. A report
+is carried when every hybrid run in it is such a run, or was measured again at version 11 (`survey.py check NAME
+--learning_rates ...` merges those runs in, each with its own environment); otherwise it is left as it is and said so.
+The survey's reports by default; the presets' with `--reports docs/reports --pattern 'presets-v7-*.json'`.
 
     python scripts/carry_reports.py
 """
@@ -21,28 +21,34 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from hf_hybrid.autopilot.alignment import STRONGLY_ALIGNED  # noqa: E402
-from hf_hybrid.autopilot.scale import MAX_ALIGNED_RAISE  # noqa: E402
+sys.path.insert(0, str(HERE))
+from presets import PRESETS  # noqa: E402
 
-FROM, TO = 9, 10
+from hf_hybrid.autopilot.alignment import ALIGNED, OPPOSED  # noqa: E402
+from hf_hybrid.autopilot.runner import FIRST_DESCENT_STEPS  # noqa: E402
+
+FROM, TO = 10, 11
 
 
 def _version(environment: dict | None) -> int | None:
     return (environment or {}).get("behaviour_version")
 
 
-def untouched(run: dict) -> bool:
-    """Whether version 10 leaves a version-9 hybrid run as it was: its first steps read below the strongly aligned
-    gate, it tried no raise, every raise it tried was kept and none went past MAX_ALIGNED_RAISE, or it was measured
-    again."""
+def warmup_steps(report: dict) -> int | None:
+    """The report's warmup, from its own record of the preset's settings, else from the preset as it stands."""
+    settings = report.get("preset_settings") or PRESETS.get(report.get("preset"), {})
+    return settings.get("warmup_steps")
+
+
+def untouched(run: dict, warmup: int | None) -> bool:
+    """Whether version 11 leaves a version-10 hybrid run as it was: its warmup is FIRST_DESCENT_STEPS or longer, its
+    first steps read aligned or opposed, or it was measured again."""
     stats = run.get("hybrid_stats") or {}
-    kept, undone = stats.get("lr_raises_kept", 0), stats.get("lr_trials_undone", 0)
     alignment = stats.get("lr_start_alignment")
-    below_gate = alignment is not None and alignment < STRONGLY_ALIGNED
-    small_raises = undone == 0 and stats.get("lr_lowered", 0) == 0 and stats.get("lr_scale", 1.0) <= MAX_ALIGNED_RAISE
+    not_held = alignment is not None and (alignment >= ALIGNED or alignment < OPPOSED)
+    long_warmup = warmup is not None and warmup >= FIRST_DESCENT_STEPS
     measured_again = _version(run.get("environment")) == TO
-    never_raised = kept + undone == 0 and stats.get("lr_scale", 1.0) == 1.0  # not a trial still open at the end
-    return measured_again or (bool(stats) and (never_raised or below_gate or small_raises))
+    return measured_again or (bool(stats) and (long_warmup or not_held))
 
 
 def carry(path: Path, why: str) -> None:
@@ -59,18 +65,18 @@ def main() -> None:
     parser.add_argument("--reports", default=str(HERE.parent / "docs" / "survey"))
     parser.add_argument("--pattern", default="*.json")
     args = parser.parse_args()
-    why = ("version 10 changes only raises past 4x (their ramp), which only a run whose first steps read strongly "
-           "aligned makes; every hybrid run in this report read below that gate, tried no raise, kept only raises of "
-           "4x or less, or was measured again at version 10")
+    why = ("version 11 changes only runs with a warmup under 10 steps whose first steps read neither aligned nor "
+           "opposed; every hybrid run in this report had a longer warmup, read aligned or opposed, or was measured "
+           "again at version 11")
     for path in sorted(Path(args.reports).glob(args.pattern)):
         report = json.loads(path.read_text())
         if _version(report.get("environment")) != FROM or report.get("arm") == "baseline":
             continue
         runs = report["runs"] if "runs" in report else report.get("hybrid", [])
-        moved = [run for run in runs if not untouched(run)]
+        moved = [run for run in runs if not untouched(run, warmup_steps(report))]
         if moved:
             lrs = ", ".join(f"{run.get('learning_rate', report.get('learning_rate')):g}" for run in moved)
-            print(f"{path.name}: strongly aligned and a raise past 4x possible at {lrs}, to be measured again")
+            print(f"{path.name}: held in the first descent at {lrs}, to be measured again")
             continue
         carry(path, why)
         print(f"{path.name}: carried")

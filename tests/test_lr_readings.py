@@ -150,10 +150,11 @@ def test_no_raise_starts_where_the_run_would_end_before_its_verdict(tmp_out, mon
     assert trainer._lr_autopilot.summary().endswith("--learning_rate 0.0001 stands.")
 
 
-def readings_and_scales_under_a_warmup(out, max_steps: int) -> tuple[list[int], list[float]]:
-    """A run at 1e-4 under a 20-step warmup, then constant: the steps that read the line, the scale after each step."""
-    trainer = make_trainer(out, learning_rate=1e-4, warmup_steps=20, lr_scheduler_type="constant_with_warmup",
-                           **{**OUTER, "max_steps": max_steps})
+def readings_and_scales_under_a_warmup(out, max_steps: int, warmup_steps: int = 20) -> tuple[list[int], list[float]]:
+    """A run at 1e-4 under a 20-step warmup (or `warmup_steps`), then constant: the steps that read the line, the scale
+    after each step."""
+    trainer = make_trainer(out, learning_rate=1e-4, warmup_steps=warmup_steps,
+                           lr_scheduler_type="constant_with_warmup", **{**OUTER, "max_steps": max_steps})
     scales = []
 
     class Scale(TrainerCallback):
@@ -183,6 +184,19 @@ def test_no_raise_starts_in_the_first_descent_just_after_the_warmup_unless_the_f
     assert scales[raised_at - 2] == 1.0 and scales[raised_at - 1] > 1.0, scales  # raised there, not before
     if aligned:
         assert scales[raised_at - 1] == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize("bottom", [10.0, math.inf])
+def test_with_no_warmup_a_line_that_bottoms_out_in_the_first_descent_asks_for_no_raise(tmp_out, monkeypatch, bottom):
+    """With no warmup the first descent lasts up to step 20. Every line reads 10 steps: the reading at step 12 is the
+    descent's, and the first raise needs two long readings past it (steps 22 and 32). Lines with no bottom in sight
+    are a far-too-small LR's wherever they are read, and raise at the second reading (22)."""
+    monkeypatch.setattr("hf_hybrid.autopilot.scale.reach_of_line", lambda f0, f1, f2: bottom / SPACING)
+    monkeypatch.setattr("hf_hybrid.autopilot.alignment.ALIGNED", math.inf)
+    read_at, scales = readings_and_scales_under_a_warmup(tmp_out, max_steps=70, warmup_steps=0)
+    raised_at = 32 if math.isfinite(bottom) else 22
+    assert read_at[:3] == [12, 22, raised_at if math.isfinite(bottom) else 27], read_at
+    assert scales[raised_at - 2] == 1.0 and scales[raised_at - 1] == pytest.approx(2.0), scales  # raised there
 
 
 def test_a_run_whose_first_steps_read_opposed_reads_its_lines_and_never_raises(tmp_out, monkeypatch):

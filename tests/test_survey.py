@@ -93,34 +93,38 @@ def test_a_setting_is_swept_then_run_at_a_tenth_of_its_swept_lr(tmp_path):
     assert json.loads((tmp_path / "table.json").read_text()) == []
 
 
-def test_only_reports_whose_hybrid_runs_cannot_have_raised_past_4x_or_were_measured_again_are_carried(tmp_path):
+def test_only_reports_whose_hybrid_runs_cannot_have_been_held_in_the_first_descent_or_were_measured_again_are_carried(
+        tmp_path):
     import carry_reports
 
     def write(name: str, report: dict) -> Path:
         (tmp_path / name).write_text(json.dumps(report))
         return tmp_path / name
 
-    def stats(alignment: float, kept: int, undone: int = 0, scale: float = 1.0) -> dict:
-        return {"hybrid_stats": {"lr_start_alignment": alignment, "lr_raises_kept": kept, "lr_trials_undone": undone,
+    def stats(alignment: float | None, kept: int = 1, scale: float = 2.0) -> dict:
+        return {"hybrid_stats": {"lr_start_alignment": alignment, "lr_raises_kept": kept, "lr_trials_undone": 0,
                                  "lr_lowered": 0, "lr_scale": scale}}
 
     old_version, new_version = carry_reports.FROM, carry_reports.TO
     old = {"behaviour_version": old_version, "behaviour_carried": {"from": old_version - 1}}
 
-    def user(name: str, run: dict) -> Path:
-        return write(name, {"learning_rate": 1e-4, "environment": dict(old), "hybrid": [run]})
+    def user(name: str, run: dict, warmup: int) -> Path:
+        return write(name, {"learning_rate": 1e-4, "environment": dict(old),
+                            "preset_settings": {"warmup_steps": warmup}, "hybrid": [run]})
 
-    below_gate = user("a-user-seed0.json", stats(0.19, 3, scale=8.0))
-    raised_past_4x = user("a-user-seed1.json", stats(0.4, 1, scale=32.0))
-    undone = user("b-user-seed0.json", stats(0.3, 0, 1))  # how far the undone raise went is not recorded
-    small_raises = user("b-user-seed1.json", stats(0.45, 2, scale=4.0))
-    never_raised = user("c-user-seed0.json", stats(0.5, 0))
-    open_at_the_end = user("c-user-seed1.json", stats(0.5, 0, scale=32.0))  # a trial the run ended inside
-    checked_again = write("a-hybrid-seed0.json", {"arm": "hybrid", "environment": dict(old), "runs": [
-        {"learning_rate": 1e-4, **stats(0.4, 1, scale=32.0), "environment": {"behaviour_version": new_version}},
-        {"learning_rate": 1e-3, **stats(0.02, 1, scale=2.0)}]})
-    stale = write("b-hybrid-seed0.json", {"arm": "hybrid", "environment": dict(old), "runs": [
-        {"learning_rate": 1e-4, **stats(0.4, 1, scale=17.7)}, {"learning_rate": 1e-3, **stats(0.02, 0)}]})
+    aligned = user("a-user-seed0.json", stats(0.11), warmup=0)
+    unaligned = user("a-user-seed1.json", stats(0.03), warmup=0)
+    opposed = user("b-user-seed0.json", stats(-0.01), warmup=0)
+    long_warmup = user("b-user-seed1.json", stats(0.03), warmup=10)
+    short_warmup = user("c-user-seed0.json", stats(0.03), warmup=5)
+    not_recorded = user("c-user-seed1.json", stats(None, kept=0, scale=1.0), warmup=0)
+    checked_again = write("a-hybrid-seed0.json", {"arm": "hybrid", "preset": "survey-classify-source-linear",
+                                                  "environment": dict(old), "runs": [
+        {"learning_rate": 1e-4, **stats(0.02), "environment": {"behaviour_version": new_version}},
+        {"learning_rate": 1e-3, **stats(0.09)}]})
+    stale = write("b-hybrid-seed0.json", {"arm": "hybrid", "preset": "survey-classify-source-linear",
+                                          "environment": dict(old), "runs": [
+        {"learning_rate": 1e-4, **stats(0.09)}, {"learning_rate": 1e-3, **stats(0.02)}]})
     sweep = write("a-sweep-seed0.json", {"arm": "baseline", "environment": dict(old), "runs": []})
     argv = sys.argv
     try:
@@ -128,12 +132,11 @@ def test_only_reports_whose_hybrid_runs_cannot_have_raised_past_4x_or_were_measu
         carry_reports.main()
     finally:
         sys.argv = argv
-    paths = (below_gate, raised_past_4x, undone, small_raises, never_raised, open_at_the_end, checked_again, stale,
-             sweep)
+    paths = (aligned, unaligned, opposed, long_warmup, short_warmup, not_recorded, checked_again, stale, sweep)
     version = {p.name: json.loads(p.read_text())["environment"]["behaviour_version"] for p in paths}
-    carried = {"a-user-seed0.json", "b-user-seed1.json", "c-user-seed0.json", "a-hybrid-seed0.json"}
+    carried = {"a-user-seed0.json", "b-user-seed0.json", "b-user-seed1.json", "a-hybrid-seed0.json"}
     assert version == {p.name: new_version if p.name in carried else old_version for p in paths}
-    record = json.loads(below_gate.read_text())["environment"]["behaviour_carried"]
+    record = json.loads(aligned.read_text())["environment"]["behaviour_carried"]
     assert record["from"] == old_version and record["earlier"] == {"from": old_version - 1}
 
 

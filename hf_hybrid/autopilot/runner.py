@@ -1,19 +1,16 @@
-"""The learning-rate autopilot at the Trainer's loop: what `LrScale` (autopilot/scale.py) decides, carried out on the
-run.
+"""The learning-rate autopilot at the Trainer's loop: what `LrScale` (autopilot/scale.py) decides, carried out.
 
 The scale multiplies the schedule's base learning rates, so the Trainer's `LambdaLR` keeps applying its own shape
 (warmup, decay) on top and never overwrites it; the learning rate in effect is rescaled at once. AdamW's decoupled
 weight decay is multiplied by the learning rate, so it scales with it, exactly as it would in a run started with the
 raised `--learning_rate`, which is what the end line tells the user to pass next time.
 
-A raise's undo point is the guard's snapshot (weights, optimizer state, schedule, RNG; on the accelerator or in pinned
-host memory, memory/placement.py), asked for at the first accepted step after the raise and held, with no periodic
-replacement, until the raise is judged: a trial costs no memory beyond the guard's. A checkpoint saved during a trial
-asks for a new snapshot as always (a resumed run takes that one too), so the undo point moves to the save and resumed
-and uninterrupted runs stay bit for bit equal.
-An undone trial gives the batches since its undo point back to the data stream (loop/replay.py), as a rolled-back jump
-does: otherwise they would be skipped, and the run would follow another data order than the Trainer's and end apart
-from it (docs/benchmarks-history.md, "An undone trial gives its batches back").
+A raise's undo point is the guard's snapshot (weights, optimizer state, schedule, RNG; placed by memory/placement.py),
+asked for at the first accepted step after the raise and held until the raise is judged: a trial costs no memory
+beyond the guard's. A checkpoint saved during a trial takes a new snapshot as always, the undo point a resumed run
+takes too, so resumed and uninterrupted runs stay bit for bit equal. An undone trial gives the batches since its undo
+point back to the data stream (loop/replay.py), as a rolled-back jump does, or the run would end apart from the
+Trainer on another data order (docs/benchmarks-history.md, "An undone trial gives its batches back").
 """
 
 from __future__ import annotations
@@ -55,10 +52,11 @@ READ_EVERY = 10
 # (docs/benchmarks.md, "A reading every 5 steps while a raise is under way").
 RAISING_READ_EVERY = 5
 # No raise starts in the first steps after the schedule's warmup either: a run from scratch is still in its first
-# descent there, which reads long at any LR, and a raise there can make a run at a good LR worse
-# (docs/benchmarks-history.md, "a raise in the first descent at cpu-small's own LR"). A run whose first steps read
-# aligned (autopilot/alignment.py) may raise from the alignment's last step instead, inside the warmup: the alignment,
-# not the line, tells its LR apart there.
+# descent there, which reads long at any LR, and a raise there can make a run at a good LR worse (docs/benchmarks-
+# history.md, "a raise in the first descent at cpu-small's own LR"). With a shorter warmup than this, or none, the
+# descent outlasts these steps: up to 2x this many, only a line with no bottom counts (autopilot/scale.py; docs/
+# benchmarks.md, "The first descent of a run with no warmup"). A run whose first steps read aligned
+# (autopilot/alignment.py) may raise from the alignment's last step instead: the alignment tells its LR apart there.
 FIRST_DESCENT_STEPS = 10
 
 
@@ -141,6 +139,11 @@ class LrAutopilot:
             return ALIGNMENT_LAST_STEP
         return self._warmup_steps() + FIRST_DESCENT_STEPS
 
+    def _in_first_descent(self, position: int) -> bool:
+        """Whether an unaligned run whose warmup is shorter than FIRST_DESCENT_STEPS is still in its first descent."""
+        end = max(self._warmup_steps(), FIRST_DESCENT_STEPS) + FIRST_DESCENT_STEPS
+        return not self.alignment.aligned and position < end
+
     def _frozen(self) -> bool:
         """No raise starts before `_raise_from`, where a run's first descent reads as a line tens of steps long at any
         LR (docs/benchmarks-history.md, "the autopilot reads Adam's next step instead of the cycle's line"), nor in the
@@ -186,7 +189,8 @@ class LrAutopilot:
                                      trial_paid=scale.on_trial and self._raise_paid(raised=(local[0], rows)),
                                      aligned=self.alignment.aligned is True,
                                      strongly_aligned=self.alignment.strongly_aligned is True,
-                                     opposed=self.alignment.opposed is True)
+                                     opposed=self.alignment.opposed is True,
+                                     first_descent=self._in_first_descent(position))
             self.last_reading = step
             busy = decision in ("raise", "keep") or scale.on_trial or not had_rate or scale.evidence_building
             raising = decision in ("raise", "keep") or scale.on_trial
@@ -217,14 +221,10 @@ class LrAutopilot:
         return time.perf_counter()
 
     def _raise_paid(self, raised: tuple[torch.Tensor, torch.Tensor | None]) -> bool:
-        """The verdict on the raise under trial (autopilot/verdict.py), as its steps took it (autopilot/ramp.py), given
-        the probe's loss at the raised weights and each sequence's, unreduced (the reading's first forward): undone
-        when its steps did worse than the user's LR would have by more than the jumps' noise margin; an even result
-        keeps it. Unlike a jump, a raise was asked for by evidence of its own (a line at least twice as long as the
-        steps it aims for), and what it is worth accrues over hundreds of steps, slowly against the noise of one
-        trial's verdict (docs/benchmarks-history.md, "the verdict on a raise"), so a verdict that asked the trial to
-        prove its gain would undo raises that pay. An overshoot shows at once. With no undo point (a trial whose steps
-        the guard all vetoed), the raise cannot be judged and is undone."""
+        """The verdict on the raise under trial (autopilot/verdict.py, which says why an even result keeps it), as its
+        steps took it (autopilot/ramp.py), given the probe's loss at the raised weights and each sequence's, unreduced
+        (the reading's first forward). With no undo point (a trial whose steps the guard all vetoed), the raise cannot
+        be judged and is undone."""
         trainer, undo_point, scale = self.trainer, self.guard_loop.snapshot, self.scale
         if not undo_point.valid:
             return False

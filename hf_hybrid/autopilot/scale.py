@@ -37,6 +37,10 @@ where a jump, which extends the path the steps took, is not worth keeping (docs/
 high LR"). Until the next reading, the trainer's predictor passes its turn instead of jumping. No raise starts in the
 schedule's warmup or the 10 steps after it (a run's first descent reads long at any LR), unless the run's first steps
 read aligned, which tells its LR apart where the line cannot: then from the alignment's last step on, inside the warmup.
+With no warmup the first descent outlasts those 10 steps: up to step 20 a line that bottoms out, however far, is the
+descent's and counts as frozen, and only a line with no bottom in sight, as a far-too-small LR reads, counts (from
+scratch at its swept LR such a run read 8 steps at steps 11 and 21, and the raise they asked for overshot:
+docs/benchmarks.md, "The first descent of a run with no warmup").
 Nor once the schedule has decayed below half its peak (the final decay is the user's), or where the run would end before
 its verdict, nor ever in a run whose first steps read opposed (the gradient pointing back along the way come: its steps
 overshoot).
@@ -98,12 +102,13 @@ class LrScale:
 
     def reading(self, f0: float, f1: float, f2: float, spacing: float, steps: int, schedule_factor: float,
                 frozen: bool, trial_paid: bool = False, aligned: bool = False,
-                strongly_aligned: bool = False, opposed: bool = False) -> str | None:
+                strongly_aligned: bool = False, opposed: bool = False, first_descent: bool = False) -> str | None:
         """One reading, `steps` real steps after the last; `frozen`: no raise may start now (the schedule's warmup or
         final decay); `trial_paid`: on a trial, the verdict on the raise; `aligned`: the run's first steps said its LR
         is far too small (autopilot/alignment.py), so one long line asks for a raise, of up to MAX_ALIGNED_RAISE, or
         MAX_STRONGLY_ALIGNED_RAISE where they said it `strongly_aligned`; `opposed`: they said its steps overshoot, so
-        no raise starts at all.
+        no raise starts at all; `first_descent`: a run with no warmup is still in its first descent, where a line
+        with a bottom, however far, is the descent's and counts as frozen.
         Returns what the trainer must do: "raise", "keep" (a trial passed; the scale may have risen again), "undo"
         (restore the undo point: the scale is already back), or None."""
         self.readings += 1
@@ -124,6 +129,7 @@ class LrScale:
                 self.failures, self.trials_undone = self.failures + 1, self.trials_undone + 1
                 self.wait, self.previous = 2**self.failures, None
                 return "undo"
+        frozen = frozen or (first_descent and math.isfinite(reach))
         previous, self.previous = self.previous, None if frozen else reach
         if frozen:
             return verdict

@@ -3,8 +3,11 @@
 The raise's undo point W0 (the guard's snapshot) and the weights now, W, span the path the raised steps took. Adam's
 steps, weight decay included, are proportional to the learning rate, so over the same batches the user's LR would have
 gone about 1/r of the way (r: the raise), to W0 + (W - W0) / r. The probe batch is read at both points, paired by
-sequence; the raise is undone when W is worse than that point by more than the noise margin of the jumps' probe
-(`LrAutopilot` says, where it asks for the verdict, why an even result keeps it).
+sequence; the raise is undone when W is worse than that point by more than the noise margin of the jumps' probe, and
+an even result keeps it. Unlike a jump, a raise was asked for by evidence of its own (a line at least twice as long as
+the steps it aims for), and what it is worth accrues over hundreds of steps, slowly against the noise of one trial's
+verdict (docs/benchmarks-history.md, "the verdict on a raise"), so a verdict that asked the trial to prove its gain
+would undo raises that pay. An overshoot shows at once.
 
 That is a counterfactual on the same batches. The probe's progress per step under the raise, against its progress
 before the raise, would not do: early in a run that falls several times over whatever the LR, so a raise that paid
