@@ -26,7 +26,7 @@ __all__ = [
 __version__ = "0.1.0"
 # What a run does: raised by every commit that changes any run's numbers (a decision, a default, a gate), and recorded
 # in every benchmark report, so that a report measured before the change is told apart from a current one.
-BEHAVIOUR_VERSION = 11
+BEHAVIOUR_VERSION = 12
 
 _LAZY = {
     "HybridTrainingArguments": "config",

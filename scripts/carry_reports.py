@@ -1,13 +1,14 @@
-"""Carry benchmark reports from behaviour version 10 to 11 where version 11 cannot have moved them.
+"""Carry benchmark reports from behaviour version 11 to 12 where version 12 cannot have moved them.
 
-Version 11 changes only runs with a warmup shorter than FIRST_DESCENT_STEPS (hf_hybrid/autopilot/runner.py), none
-included, whose first steps read neither aligned nor opposed (autopilot/alignment.py): up to step 2 x
-FIRST_DESCENT_STEPS, a line that bottoms out no longer counts as evidence for a raise (autopilot/scale.py). A run with a
-longer warmup never reads there while a raise may start; an aligned run is not held; an opposed one starts no raise at
-all, so the autopilot never moves its weights. Such a run took every decision as at version 10, bit for bit. A report
-is carried when every hybrid run in it is such a run, or was measured again at version 11 (`survey.py check NAME
---learning_rates ...` merges those runs in, each with its own environment); otherwise it is left as it is and said so.
-The survey's reports by default; the presets' with `--reports docs/reports --pattern 'presets-v7-*.json'`.
+Versions 11 and 12 change only runs with a warmup shorter than FIRST_DESCENT_STEPS (hf_hybrid/autopilot/runner.py),
+none included, whose first steps read neither aligned nor opposed (autopilot/alignment.py): up to step 2 x
+FIRST_DESCENT_STEPS, a line counts as evidence for a raise only from FIRST_DESCENT_REACH steps on (autopilot/scale.py;
+version 11 counted only a line with no bottom). A run with a longer warmup never reads there while a raise may start;
+an aligned run is not held; an opposed one starts no raise at all, so the autopilot never moves its weights. Such a run
+took every decision as at versions 10 and 11, bit for bit. A report is carried when every hybrid run in it is such a
+run, or was measured again at version 12 (`survey.py check NAME --learning_rates ...` merges those runs in, each with
+its own environment); otherwise it is left as it is and said so. The survey's reports by default; the presets' with
+`--reports docs/reports --pattern 'presets-v7-*.json'`.
 
     python scripts/carry_reports.py
 """
@@ -27,7 +28,7 @@ from presets import PRESETS  # noqa: E402
 from hf_hybrid.autopilot.alignment import ALIGNED, OPPOSED  # noqa: E402
 from hf_hybrid.autopilot.runner import FIRST_DESCENT_STEPS  # noqa: E402
 
-FROM, TO = 10, 11
+FROM, TO = 11, 12
 
 
 def _version(environment: dict | None) -> int | None:
@@ -41,7 +42,7 @@ def warmup_steps(report: dict) -> int | None:
 
 
 def untouched(run: dict, warmup: int | None) -> bool:
-    """Whether version 11 leaves a version-10 hybrid run as it was: its warmup is FIRST_DESCENT_STEPS or longer, its
+    """Whether version 12 leaves a version-11 hybrid run as it was: its warmup is FIRST_DESCENT_STEPS or longer, its
     first steps read aligned or opposed, or it was measured again."""
     stats = run.get("hybrid_stats") or {}
     alignment = stats.get("lr_start_alignment")
@@ -65,9 +66,9 @@ def main() -> None:
     parser.add_argument("--reports", default=str(HERE.parent / "docs" / "survey"))
     parser.add_argument("--pattern", default="*.json")
     args = parser.parse_args()
-    why = ("version 11 changes only runs with a warmup under 10 steps whose first steps read neither aligned nor "
-           "opposed; every hybrid run in this report had a longer warmup, read aligned or opposed, or was measured "
-           "again at version 11")
+    why = ("versions 11 and 12 change only runs with a warmup under 10 steps whose first steps read neither aligned "
+           "nor opposed; every hybrid run in this report had a longer warmup, read aligned or opposed, or was "
+           "measured again at version 12")
     for path in sorted(Path(args.reports).glob(args.pattern)):
         report = json.loads(path.read_text())
         if _version(report.get("environment")) != FROM or report.get("arm") == "baseline":

@@ -36,10 +36,10 @@ def _constant_run(output_dir, **overrides) -> HybridHFTrainer:
 
 
 def test_a_raised_constant_schedule_ends_at_the_users_lr_and_says_so(tmp_out, monkeypatch, caplog):
-    """Every line reads 10 steps: the raises are kept, hold until the last fifth (step 40), then the LR falls each
-    step to the user's at the end; no raise starts in the 10 steps before it; the end line says so and advises no
-    higher constant LR."""
-    monkeypatch.setattr("hf_hybrid.autopilot.scale.reach_of_line", lambda f0, f1, f2: 10.0 / SPACING)
+    """Every line reads 20 steps (long enough to count in the first descent of a run with no warmup): the raises are
+    kept, hold until the last fifth (step 40), then the LR falls each step to the user's at the end; no raise starts in
+    the 10 steps before it; the end line says so and advises no higher constant LR."""
+    monkeypatch.setattr("hf_hybrid.autopilot.scale.reach_of_line", lambda f0, f1, f2: 20.0 / SPACING)
     monkeypatch.setattr("hf_hybrid.autopilot.alignment.ALIGNED", math.inf)  # raises of 2x, whatever the first steps
     trainer = _constant_run(tmp_out)
     with caplog.at_level(logging.WARNING):

@@ -103,11 +103,12 @@ def test_where_the_steps_are_long_enough_no_jump_is_tried_and_the_run_is_the_tra
 
 @pytest.mark.parametrize("nan_at", [None, 15])
 def test_no_raise_starts_before_the_third_reading_after_a_guard_skip(tmp_path, monkeypatch, nan_at):
-    """Every line reads 10 steps: the second reading raises. A NaN loss between the first two readings, which the
-    guard skips, holds the raise until the third reading after it."""
+    """Every line reads 20 steps (long enough to count in the first descent of a run with no warmup): the second
+    reading raises. A NaN loss between the first two readings, which the guard skips, holds the raise until the third
+    reading after it."""
     from .test_safety import nan_model
 
-    monkeypatch.setattr("hf_hybrid.autopilot.scale.reach_of_line", lambda f0, f1, f2: 10.0 / SPACING)
+    monkeypatch.setattr("hf_hybrid.autopilot.scale.reach_of_line", lambda f0, f1, f2: 20.0 / SPACING)
     monkeypatch.setattr("hf_hybrid.autopilot.alignment.ALIGNED", math.inf)  # a raise needs the line twice
     model = nan_model(at_grad=() if nan_at is None else (nan_at,))
     trainer = make_trainer(tmp_path, model=model, learning_rate=1e-4, lr_scheduler_type="constant",
@@ -131,11 +132,11 @@ def test_no_raise_starts_before_the_third_reading_after_a_guard_skip(tmp_path, m
 
 
 def test_no_raise_starts_where_the_run_would_end_before_its_verdict(tmp_out, monkeypatch):
-    """Every line reads 10 steps, on a constant schedule whose last fifth (from step 32) brings a raised LR back to the
+    """Every line reads 20 steps, on a constant schedule whose last fifth (from step 32) brings a raised LR back to the
     user's: the raise at step 22 is judged 5 steps on and kept, and that reading starts no other, since fewer than
     READ_EVERY steps are left before that end. Had one been open at the end, the end line would advise only the LR
     that was judged."""
-    monkeypatch.setattr("hf_hybrid.autopilot.scale.reach_of_line", lambda f0, f1, f2: 10.0 / SPACING)
+    monkeypatch.setattr("hf_hybrid.autopilot.scale.reach_of_line", lambda f0, f1, f2: 20.0 / SPACING)
     monkeypatch.setattr("hf_hybrid.autopilot.alignment.ALIGNED", math.inf)  # raises of 2x, whatever the first steps
     trainer = make_trainer(tmp_out, learning_rate=1e-4, lr_scheduler_type="constant", **{**OUTER, "max_steps": 40})
     read_at = train_noting_readings(trainer)
@@ -186,16 +187,17 @@ def test_no_raise_starts_in_the_first_descent_just_after_the_warmup_unless_the_f
         assert scales[raised_at - 1] == pytest.approx(3.0)
 
 
-@pytest.mark.parametrize("bottom", [10.0, math.inf])
-def test_with_no_warmup_a_line_that_bottoms_out_in_the_first_descent_asks_for_no_raise(tmp_out, monkeypatch, bottom):
-    """With no warmup the first descent lasts up to step 20. Every line reads 10 steps: the reading at step 12 is the
-    descent's, and the first raise needs two long readings past it (steps 22 and 32). Lines with no bottom in sight
-    are a far-too-small LR's wherever they are read, and raise at the second reading (22)."""
+@pytest.mark.parametrize("bottom", [10.0, 20.0])
+def test_with_no_warmup_a_line_read_in_the_first_descent_counts_only_from_four_times_the_gate(
+        tmp_out, monkeypatch, bottom):
+    """With no warmup the first descent lasts up to step 20. Lines of 10 steps read there (step 12) are the
+    descent's: the first raise needs two long readings past it (steps 22 and 32). Lines of 20 steps, 4x the gate or
+    more, are a far-too-small LR's wherever they are read, and raise at the second reading (22)."""
     monkeypatch.setattr("hf_hybrid.autopilot.scale.reach_of_line", lambda f0, f1, f2: bottom / SPACING)
     monkeypatch.setattr("hf_hybrid.autopilot.alignment.ALIGNED", math.inf)
     read_at, scales = readings_and_scales_under_a_warmup(tmp_out, max_steps=70, warmup_steps=0)
-    raised_at = 32 if math.isfinite(bottom) else 22
-    assert read_at[:3] == [12, 22, raised_at if math.isfinite(bottom) else 27], read_at
+    raised_at = 32 if bottom < 16 else 22
+    assert read_at[:3] == [12, 22, 32 if bottom < 16 else 27], read_at
     assert scales[raised_at - 2] == 1.0 and scales[raised_at - 1] == pytest.approx(2.0), scales  # raised there
 
 

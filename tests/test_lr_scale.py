@@ -67,17 +67,19 @@ def test_from_scratch_near_the_swept_lr_a_first_descent_reading_raises_no_furthe
     assert decisions([16.1, 44.1]) == [None, "raise"]  # 3e-4, a tenth: the line reads long twice
 
 
-def test_with_no_warmup_a_line_that_bottoms_out_in_the_first_descent_is_no_evidence():
+def test_with_no_warmup_a_line_read_in_the_first_descent_counts_only_from_four_times_the_gate():
     """survey-scratch-2x128-code-linear at its swept LR (seed 1, no warmup; docs/benchmarks.md, "The first descent of a
     run with no warmup"): the readings at steps 11 and 21 read 8.1 and 7.7 steps, and the 2x raise they asked for was
-    kept and ended 0.070 above the Trainer. The one at 11, still in the first descent, no longer counts. A line with
-    no bottom in sight there still does: a classifier at 5e-5 reads straight lines from its first reading on."""
+    kept and ended 0.070 above the Trainer. The one at 11, still in the first descent, no longer counts. Far longer
+    lines there still do: a classifier at 5e-5 read 49 steps at step 11 (seed 2), or a line with no bottom at all."""
     def decisions(first: float, second: float, first_descent: bool) -> list[str | None]:
         s = LrScale()
         return [read(s, 7.3, bottom=first, first_descent=first_descent), read(s, 5.16, bottom=second)]
 
     assert decisions(8.1, 7.7, first_descent=False) == [None, "raise"]  # as before
     assert decisions(8.1, 7.7, first_descent=True) == [None, None]
+    assert decisions(15.0, 7.7, first_descent=True) == [None, None]
+    assert decisions(48.8, 95.8, first_descent=True) == [None, "raise"]
     assert decisions(math.inf, math.inf, first_descent=True) == [None, "raise"]
 
 

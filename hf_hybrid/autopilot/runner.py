@@ -54,7 +54,7 @@ RAISING_READ_EVERY = 5
 # No raise starts in the first steps after the schedule's warmup either: a run from scratch is still in its first
 # descent there, which reads long at any LR, and a raise there can make a run at a good LR worse (docs/benchmarks-
 # history.md, "a raise in the first descent at cpu-small's own LR"). With a shorter warmup than this, or none, the
-# descent outlasts these steps: up to 2x this many, only a line with no bottom counts (autopilot/scale.py; docs/
+# descent outlasts these steps: up to 2x this many, only a far longer line counts (autopilot/scale.py; docs/
 # benchmarks.md, "The first descent of a run with no warmup"). A run whose first steps read aligned
 # (autopilot/alignment.py) may raise from the alignment's last step instead: the alignment tells its LR apart there.
 FIRST_DESCENT_STEPS = 10

@@ -37,10 +37,8 @@ where a jump, which extends the path the steps took, is not worth keeping (docs/
 high LR"). Until the next reading, the trainer's predictor passes its turn instead of jumping. No raise starts in the
 schedule's warmup or the 10 steps after it (a run's first descent reads long at any LR), unless the run's first steps
 read aligned, which tells its LR apart where the line cannot: then from the alignment's last step on, inside the warmup.
-With no warmup the first descent outlasts those 10 steps: up to step 20 a line that bottoms out, however far, is the
-descent's and counts as frozen, and only a line with no bottom in sight, as a far-too-small LR reads, counts (from
-scratch at its swept LR such a run read 8 steps at steps 11 and 21, and the raise they asked for overshot:
-docs/benchmarks.md, "The first descent of a run with no warmup").
+With no warmup the first descent outlasts those 10 steps: up to step 20 a line counts only from FIRST_DESCENT_REACH
+steps on, and a shorter one counts as frozen (docs/benchmarks.md, "The first descent of a run with no warmup").
 Nor once the schedule has decayed below half its peak (the final decay is the user's), or where the run would end before
 its verdict, nor ever in a run whose first steps read opposed (the gradient pointing back along the way come: its steps
 overshoot).
@@ -79,6 +77,10 @@ MAX_ALIGNED_RAISE = 4.0
 MAX_STRONGLY_ALIGNED_RAISE = MAX_SCALE
 RAISE_REACH = 4.0  # a next step worth this many of today's (at the schedule's peak), twice in a row, asks for a raise
 TARGET_REACH = 2.0  # and the raise aims the line's bottom here: reaches of 9 and 5 raise 2.5x, capped at MAX_RAISE
+# A line read in the first descent runs several times what the same LR reads past it, so there it counts only from 4x
+# the gate: at the swept LR such a line reads about twice the gate, at a far-too-small LR many times it
+# (docs/benchmarks.md, "The first descent of a run with no warmup").
+FIRST_DESCENT_REACH = 4 * RAISE_REACH
 STEADY_READINGS = 3
 STEADY_REACH = 1.0  # the median of that many readings in a row asks for a raise from here
 STEADY_TARGET = 0.5  # and the raise aims it here, inside what tuned runs read
@@ -108,7 +110,7 @@ class LrScale:
         is far too small (autopilot/alignment.py), so one long line asks for a raise, of up to MAX_ALIGNED_RAISE, or
         MAX_STRONGLY_ALIGNED_RAISE where they said it `strongly_aligned`; `opposed`: they said its steps overshoot, so
         no raise starts at all; `first_descent`: a run with no warmup is still in its first descent, where a line
-        with a bottom, however far, is the descent's and counts as frozen.
+        shorter than FIRST_DESCENT_REACH counts as frozen.
         Returns what the trainer must do: "raise", "keep" (a trial passed; the scale may have risen again), "undo"
         (restore the undo point: the scale is already back), or None."""
         self.readings += 1
@@ -129,7 +131,7 @@ class LrScale:
                 self.failures, self.trials_undone = self.failures + 1, self.trials_undone + 1
                 self.wait, self.previous = 2**self.failures, None
                 return "undo"
-        frozen = frozen or (first_descent and math.isfinite(reach))
+        frozen = frozen or (first_descent and reach < FIRST_DESCENT_REACH)
         previous, self.previous = self.previous, None if frozen else reach
         if frozen:
             return verdict
