@@ -1,4 +1,4 @@
-"""Carry benchmark reports from behaviour version 11 to 12 where version 12 cannot have moved them.
+"""Carry benchmark reports from behaviour version 10 or 11 to 12 where version 12 cannot have moved them.
 
 Versions 11 and 12 change only runs with a warmup shorter than FIRST_DESCENT_STEPS (hf_hybrid/autopilot/runner.py),
 none included, whose first steps read neither aligned nor opposed (autopilot/alignment.py): up to step 2 x
@@ -28,7 +28,7 @@ from presets import PRESETS  # noqa: E402
 from hf_hybrid.autopilot.alignment import ALIGNED, OPPOSED  # noqa: E402
 from hf_hybrid.autopilot.runner import FIRST_DESCENT_STEPS  # noqa: E402
 
-FROM, TO = 11, 12
+FROM, TO = (10, 11), 12  # reports left at 10 had a run version 11 could move
 
 
 def _version(environment: dict | None) -> int | None:
@@ -42,8 +42,8 @@ def warmup_steps(report: dict) -> int | None:
 
 
 def untouched(run: dict, warmup: int | None) -> bool:
-    """Whether version 12 leaves a version-11 hybrid run as it was: its warmup is FIRST_DESCENT_STEPS or longer, its
-    first steps read aligned or opposed, or it was measured again."""
+    """Whether version 12 leaves a hybrid run of version 10 or 11 as it was: its warmup is FIRST_DESCENT_STEPS or
+    longer, its first steps read aligned or opposed, or it was measured again."""
     stats = run.get("hybrid_stats") or {}
     alignment = stats.get("lr_start_alignment")
     not_held = alignment is not None and (alignment >= ALIGNED or alignment < OPPOSED)
@@ -56,8 +56,9 @@ def carry(path: Path, why: str) -> None:
     report = json.loads(path.read_text())
     environment = report["environment"]
     earlier = environment.pop("behaviour_carried", None)
+    environment["behaviour_carried"] = {"from": environment["behaviour_version"], "why": why,
+                                        **({"earlier": earlier} if earlier else {})}
     environment["behaviour_version"] = TO
-    environment["behaviour_carried"] = {"from": FROM, "why": why, **({"earlier": earlier} if earlier else {})}
     path.write_text(json.dumps(report, indent=2))
 
 
@@ -71,7 +72,7 @@ def main() -> None:
            "measured again at version 12")
     for path in sorted(Path(args.reports).glob(args.pattern)):
         report = json.loads(path.read_text())
-        if _version(report.get("environment")) != FROM or report.get("arm") == "baseline":
+        if _version(report.get("environment")) not in FROM or report.get("arm") == "baseline":
             continue
         runs = report["runs"] if "runs" in report else report.get("hybrid", [])
         moved = [run for run in runs if not untouched(run, warmup_steps(report))]

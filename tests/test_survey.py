@@ -105,7 +105,7 @@ def test_only_reports_whose_hybrid_runs_cannot_have_been_held_in_the_first_desce
         return {"hybrid_stats": {"lr_start_alignment": alignment, "lr_raises_kept": kept, "lr_trials_undone": 0,
                                  "lr_lowered": 0, "lr_scale": scale}}
 
-    old_version, new_version = carry_reports.FROM, carry_reports.TO
+    old_version, new_version = carry_reports.FROM[-1], carry_reports.TO
     old = {"behaviour_version": old_version, "behaviour_carried": {"from": old_version - 1}}
 
     def user(name: str, run: dict, warmup: int) -> Path:
