@@ -78,7 +78,7 @@ class HybridTrainingArguments(TrainingArguments):
             point the user's LR would have reached over the same batches (two forwards), and undone bit for bit (to
             the guard's snapshot) when it did worse by more than `hybrid_probe_noise_margin`. No raise in the
             schedule's warmup or the 10 steps after it (unless the first steps read aligned: then from step 10; with
-            no warmup a line read before step 20 counts only from 16 steps on: the first descent reads long), once
+            a warmup under 10 steps or none, a line read before step 20 counts only from 16 steps on), once
             it has decayed below half its peak, in the last 10 steps, or before the third reading after a step the
             guard flagged; a guard rollback halves a raised scale. Where the schedule has no decay of its own
             (constant), a raised scale returns to 1 over the run's last fifth, and no raise starts in the 10 steps

@@ -37,8 +37,9 @@ where a jump, which extends the path the steps took, is not worth keeping (docs/
 high LR"). Until the next reading, the trainer's predictor passes its turn instead of jumping. No raise starts in the
 schedule's warmup or the 10 steps after it (a run's first descent reads long at any LR), unless the run's first steps
 read aligned, which tells its LR apart where the line cannot: then from the alignment's last step on, inside the warmup.
-With no warmup the first descent outlasts those 10 steps: up to step 20 a line counts only from FIRST_DESCENT_REACH
-steps on, and a shorter one counts as frozen (docs/benchmarks.md, "The first descent of a run with no warmup").
+With a warmup under 10 steps, or none, the first descent outlasts those 10 steps: up to step 20 a line counts only from
+FIRST_DESCENT_REACH steps on, and a shorter one counts as frozen (docs/benchmarks.md, "The first descent of a run with
+no warmup").
 Nor once the schedule has decayed below half its peak (the final decay is the user's), or where the run would end before
 its verdict, nor ever in a run whose first steps read opposed (the gradient pointing back along the way come: its steps
 overshoot).
@@ -109,8 +110,8 @@ class LrScale:
         final decay); `trial_paid`: on a trial, the verdict on the raise; `aligned`: the run's first steps said its LR
         is far too small (autopilot/alignment.py), so one long line asks for a raise, of up to MAX_ALIGNED_RAISE, or
         MAX_STRONGLY_ALIGNED_RAISE where they said it `strongly_aligned`; `opposed`: they said its steps overshoot, so
-        no raise starts at all; `first_descent`: a run with no warmup is still in its first descent, where a line
-        shorter than FIRST_DESCENT_REACH counts as frozen.
+        no raise starts at all; `first_descent`: a run with a short warmup or none is still in its first descent,
+        where a line shorter than FIRST_DESCENT_REACH counts as frozen.
         Returns what the trainer must do: "raise", "keep" (a trial passed; the scale may have risen again), "undo"
         (restore the undo point: the scale is already back), or None."""
         self.readings += 1
