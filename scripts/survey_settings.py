@@ -90,6 +90,10 @@ def survey_settings(finetune: dict) -> dict[str, dict]:
         # what a user gets who sets none, where the other from-scratch settings take a tenth of their swept LR.
         "scratch-2x128-code-linear": dict(_scratch(2, 128, 4, "torch-source", "linear", 0, 300),
                                           weight_decay=0.0, grid=FINETUNE_GRID, user_lr=FINETUNE_LR),
+        # Written in session 56, after version 12 was fixed, as a held-out check of its first-descent hold: from
+        # scratch at TrainingArguments' defaults again, on another corpus and width.
+        "scratch-2x96-docs-linear": dict(_scratch(2, 96, 3, "transformers-docs", "linear", 0, 300),
+                                         weight_decay=0.0, grid=FINETUNE_GRID, user_lr=FINETUNE_LR),
     }
     return {name: dict(setting, half=half) for half, group in (("tune", tune), ("report", report), ("fresh", fresh))
             for name, setting in group.items()}
