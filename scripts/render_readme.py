@@ -43,9 +43,9 @@ HEADER = ("| setting (half): the user's LR (the swept) | Trainer at the user's L
 
 CAPTION = ("Rendered by `scripts/render_readme.py` from the LR-autopilot survey's reports (`docs/survey/`, "
            "`scripts/survey.py`), on a CPU, each setting at the LR a user types: `TrainingArguments`' 5e-5 to "
-           "fine-tune, a tenth of the swept LR from scratch (but 5e-5 in `scratch-2x128-code-linear`, at every "
-           "`TrainingArguments` default; the swept LR: the best final loss over a coarse grid of the Trainer's "
-           "LRs). (fresh) rows come from settings "
+           "fine-tune, a tenth of the swept LR from scratch (but 5e-5 in `scratch-2x128-code-linear` and "
+           "`scratch-2x96-docs-linear`, at every `TrainingArguments` default; the swept LR: the best final loss "
+           "over a coarse grid of the Trainer's LRs). (fresh) rows come from settings "
            "written after the tuning ended and run once, "
            "(report) rows from the half set aside before any tuning and not tuned on (it was "
            "run between tuning rounds, and two gates were set with some of its readings in view: Known limits), (tune) "
