@@ -36,8 +36,8 @@ if __name__ == "__main__" and any(os.environ.get(k) != v for k, v in TUNED_HOST_
 import faults  # noqa: E402
 from environment import environment  # noqa: E402
 from model_and_data import build_model_and_data  # noqa: E402
-from render_readme import NOT_MEASURED, rows  # noqa: E402
 from report import UPDATES, time_to  # noqa: E402
+from results_table import NOT_MEASURED, rows  # noqa: E402
 from survey_settings import at_current_version  # noqa: E402
 from timing import spent_updates  # noqa: E402
 
@@ -252,8 +252,8 @@ def recorded_swept_result(preset_name: str) -> dict | None:
 
 
 def recorded_finetune() -> str | None:
-    """The survey's fine-tune at `TrainingArguments`' 5e-5 as the README's table renders it from its current reports
-    (scripts/render_readme.py), with those reports named; None where none is current."""
+    """The survey's fine-tune at `TrainingArguments`' 5e-5 as docs/results.md's table renders it from its current
+    reports (scripts/results_table.py), with those reports named; None where none is current."""
     for row in rows():
         if row.cells[0].startswith("`finetune-docs-linear`") and NOT_MEASURED not in row.cells[1]:
             sources = ", ".join(str(path.relative_to(ROOT)) for path in row.sources[:1])

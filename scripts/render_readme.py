@@ -1,225 +1,152 @@
-"""README.md's results table, rendered from the LR-autopilot survey's reports in docs/survey/ (scripts/survey.py), so
-that no number in it is typed by hand.
+"""The results README.md and docs/results.md show, rendered from the LR-autopilot survey's reports in docs/survey/
+(scripts/survey.py), so that no number in either is typed by hand.
 
-    python scripts/render_readme.py            # print the table
-    python scripts/render_readme.py --check    # exit 1 when README.md's table is not what this renders
-    python scripts/render_readme.py --write    # rewrite README.md's table
+    python scripts/render_readme.py            # print both blocks
+    python scripts/render_readme.py --check    # exit 1 when either file's block is not what this renders
+    python scripts/render_readme.py --write    # rewrite both blocks
 
-One row per setting that has a report at the LR a user types (NAME-user-seedS.json): the fresh settings first, then
-the report half, then the tuning half, each in survey_settings.py's order: every one, the weak ones too. A setting
-with no such report is left out.
-
-A report is current when its environment's behaviour_version is hf_hybrid.BEHAVIOUR_VERSION (the library raises it
-with every change that moves a run). A row's numbers come from current reports only, evaluated on the setting's
-current schedule (survey_settings.py's `counts_now`), as the median over their seeds; a setting whose user
-reports are all older renders as a row that says it is not measured at the current version. The
-never-worse cell needs the hybrid's check (NAME-hybrid-seed0.json) current beside the Trainer's sweep
-(NAME-sweep-seed0.json, the plain Trainer alone, which no library change moves), and says the same otherwise.
+docs/results.md shows one row per setting (scripts/results_table.py). README.md sums the same settings up by kind of
+run, for a reader deciding in two minutes: per kind, the medians over its settings of what each setting's row shows
+(each itself a median over seeds; a speedup never reached counts as 0), G from `survey.py table`, and the worst
+never-worse check of them all. Only current reports count, as in the table: a setting with none at the current
+behaviour version is left out of the summary, and docs/results.md names it as not measured.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(REPO))
-
-from survey_settings import at_current_version, counts_now, survey_settings  # noqa: E402
+from results_table import REPO, SURVEY, Row, current_user_reports, median_speedup, never_worse_checks
+from results_table import render as render_table
+from survey import rows as g_rows
+from survey_settings import survey_settings
 
 README = REPO / "README.md"
-SURVEY = REPO / "docs" / "survey"
+RESULTS = REPO / "docs" / "results.md"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
-NOT_MEASURED = "not measured at the current version"
-PEERS = {"prodigy": "Prodigy", "mechanic": "Mechanic", "sf": "schedule-free AdamW"}
-HEADER = ("| setting (half): the user's LR (the swept) | Trainer at the user's LR; at the swept LR | hybrid "
-          "| best peer | never worse: hybrid's final loss - Trainer's, where it is highest |")
-
-CAPTION = ("Rendered by `scripts/render_readme.py` from the LR-autopilot survey's reports (`docs/survey/`, "
-           "`scripts/survey.py`), on a CPU, each setting at the LR a user types: `TrainingArguments`' 5e-5 to "
-           "fine-tune, a tenth of the swept LR from scratch (but 5e-5 in `scratch-2x128-code-linear` and "
-           "`scratch-2x96-docs-linear`, at every `TrainingArguments` default; the swept LR: the best final loss "
-           "over a coarse grid of the Trainer's LRs). (fresh) rows come from settings "
-           "written after the tuning ended and run once, "
-           "(report) rows from the half set aside before any tuning and not tuned on (it was "
-           "run between tuning rounds, and two gates were set with some of its readings in view: Known limits), (tune) "
-           "rows from the half it was tuned on. An arm's cell: the Trainer's updates to "
-           "its own final loss over the arm's (for the hybrid, wall clock in brackets), then the arm's held-out loss "
-           "at the Trainer's number of updates; evaluations at the start, every hundredth of the run up to the "
-           "first tenth, then every tenth. Peers: Prodigy, Mechanic, schedule-free AdamW. Never worse: the hybrid "
-           "alone at each LR of the setting's grid from the user's to 3x the swept (seed 0), and on seed 1 at the "
-           "grid's top and where seed 0 kept a raise at a third of the swept LR or above, each against the same "
-           "seed's Trainer. Medians over seeds where several ran.")
+KINDS = ("from scratch", "full fine-tune", "LoRA", "classifier")
+HELD_OUT = ("fresh", "report")
+SUMMARY_HEADER = ("| at the LR a user types | settings (held out) | hybrid: speedup in updates (wall clock), median "
+                  "and range | the swept LR's speedup | G in updates / wall clock (held out only) | G ahead of "
+                  "Mechanic; of Prodigy | never worse: highest final loss over the Trainer's (checks) |")
+SUMMARY_CAPTION = (
+    "Rendered by `scripts/render_readme.py` from the LR-autopilot survey's reports (`docs/survey/`), on a CPU: small "
+    "GPT-2s (2-4 layers; the fine-tunes start from a 2-layer one pretrained here on Shakespeare) on the shipped "
+    "corpora and torch's source, 100-300 updates, 3 seeds. Each setting runs at the LR a user types "
+    "(`TrainingArguments`' 5e-5 to fine-tune; from scratch a tenth of the swept LR, or 5e-5 where every other "
+    "argument is left at its default too) beside the plain Trainer at that LR and at the swept LR, the best of a "
+    "coarse grid. A speedup is the Trainer's updates to its own final held-out loss over the arm's; G is the log of "
+    "the hybrid's speedup over the log of the swept LR's: the share of what a sweep buys that the hybrid recovers "
+    "without one. Held out: settings written after the tuning ended, or set aside before it (Known limits says what "
+    "was read from them). Never worse: the hybrid alone at every LR of the setting's grid from the user's to 3x the "
+    "swept, against the same seed's Trainer. Every setting, with each peer's figures: "
+    "[docs/results.md](docs/results.md).")
 
 
-@dataclass
-class Row:
-    cells: list[str]
-    sources: list[Path] = field(default_factory=list)  # the reports its numbers come from
+def kind(setting: dict) -> str:
+    """A survey setting's kind of run (survey_settings.py)."""
+    if "lora" in setting:
+        return "LoRA"
+    if "task" in setting:
+        return "classifier"
+    return "from scratch" if "model" in setting else "full fine-tune"
 
 
-def counts(report: dict) -> bool:
-    """Whether a report's numbers may reach the table: a current one, or a sweep of the plain Trainer alone, which no
-    change to the library moves."""
-    return at_current_version(report) or report.get("arm") == "baseline"
+def _kind_row(label: str, names: list[str], settings: dict, reports: Path, g: dict) -> Row:
+    """One kind's cells from its settings' current reports."""
+    sources, updates, wall, swept, gaps = [], [], [], [], []
+    for name in names:
+        used = current_user_reports(name, settings[name], reports)
+        sources += [path for path, _ in used]
+        runs = [report for _, report in used]
+        updates.append(median_speedup([r["update_speedups"][0] for r in runs]) or 0.0)
+        wall.append(median_speedup([r["speedups"][0] for r in runs]) or 0.0)
+        swept.append(median_speedup([r["swept_update_speedups"][0] for r in runs]) or 0.0)
+        differences, check_sources = never_worse_checks(name, reports)
+        sources += check_sources
+        gaps += [gap for gap, _ in differences]
+    held_out = [n for n in names if settings[n]["half"] in HELD_OUT]
+    spread = f"; {min(updates):.1f}-{max(updates):.1f}x" if len(names) > 1 else ""
+    hybrid = f"{statistics.median(updates):.1f}x ({statistics.median(wall):.1f}x){spread}"
+
+    def median_g(among: list[str]) -> str:
+        medians = (statistics.median(g[n][f"hybrid_{unit}"] or 0.0 for n in among) for unit in ("updates", "wall"))
+        return "/".join(f"{m:.2f}" for m in medians)
+
+    held = f" ({median_g(held_out)})" if held_out and len(held_out) < len(names) else ""
+
+    def ahead(peer: str) -> int:
+        return sum((g[n]["hybrid_updates"] or 0.0) > (g[n][f"{peer}_updates"] or 0.0) for n in names)
+
+    never = f"{max(gaps):+.3f} ({len(gaps)})" if gaps else "-"
+    return Row([label, f"{len(names)} ({len(held_out)})", hybrid, f"{statistics.median(swept):.1f}x",
+                median_g(names) + held, f"{ahead('mechanic')} of {len(names)}; {ahead('prodigy')} of {len(names)}",
+                never], sources)
 
 
-def _load(path: Path) -> dict | None:
-    return json.loads(path.read_text()) if path.exists() else None
-
-
-def _median_speedup(values: list[float | None]) -> float | None:
-    """The median over seeds, a seed that never reached the loss counting lowest; median_low keeps it a seed's own
-    value, so that an even count never averages a speedup with 'not reached'."""
-    ranked = statistics.median_low([-1.0 if v is None else v for v in values])
-    return None if ranked < 0 else ranked
-
-
-def _lr(value: float) -> str:
-    mantissa, exponent = f"{value:.1e}".split("e")
-    return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
-
-
-def _arm(updates: float | None, loss: float, wall: float | None = None) -> str:
-    """An arm's cell: its speedup to the Trainer's final loss in updates (with the wall clock's, where given), then its
-    own final loss."""
-    if updates is None:
-        return f"not reached, {loss:.3f}"
-    return f"{updates:.2f}x{f' ({wall:.2f}x)' if wall else ''}, {loss:.3f}"
-
-
-def _loss_at(arm: dict, updates: int) -> float:
-    """The arm's held-out loss at its last evaluation within `updates` updates (its final one where it ran no more)."""
-    within = [e for e in arm["evals"] if e[3] <= updates]
-    return within[-1][2] if within else arm["final_eval_loss"]
-
-
-def _user_cells(reports: list[dict]) -> list[str]:
-    """The Trainer's, the hybrid's and the best peer's cells, from current reports at the user's LR. A peer is read
-    from the seeds that ran it (a report may run the hybrid alone beside the Trainers), and says so when they are
-    fewer than the hybrid's."""
-    def final(arm: str, among: list[dict]) -> float:
-        # At the Trainer's number of updates: under a constant schedule the benchmark lets the hybrid run on past it
-        # to reach the target, and a loss after more updates is no final to set beside the Trainer's.
-        return statistics.median(_loss_at(r[arm][0], r["baseline"][0]["steps"]) for r in among)
-
-    def updates(prefix: str, among: list[dict]) -> float | None:
-        return _median_speedup([r[f"{prefix}update_speedups"][0] for r in among])
-
-    trainer = f"{final('baseline', reports):.3f}; swept: {_arm(updates('swept_', reports), final('swept', reports))}"
-    wall = _median_speedup([r["speedups"][0] for r in reports])
-    hybrid = f"**{_arm(updates('', reports), final('hybrid', reports), wall)}**"
-    peers = []
-    for arm in PEERS:
-        among = [r for r in reports if arm in r]
-        if among:
-            peers.append((updates(f"{arm}_", among), final(arm, among), arm, len(among)))
-    # The best peer reaches the Trainer's loss in the fewest updates; where none does, the one with the lowest loss.
-    reached = [p for p in peers if p[0] is not None]
-    if peers:
-        speedup, loss, arm, seeds = max(reached, key=lambda p: p[0]) if reached else min(peers, key=lambda p: p[1])
-        of = f" ({seeds} of {len(reports)} seeds)" if seeds < len(reports) else ""
-        peer = f"{PEERS[arm]}: {_arm(speedup, loss)}{of}"
-    else:
-        peer = "-"
-    return [trainer, hybrid, peer]
-
-
-def _never_worse(name: str, reports: Path) -> tuple[str, list[Path]]:
-    """The hybrid alone at each LR from the user's to about 3x the swept one, its final loss minus the same seed's
-    Trainer's at the same LR, over every seed checked (seed 0 at every LR of the grid; another seed where it was run):
-    the worst of them, and the LR where it came. Seed 0's check must be current."""
-    differences, sources = [], []
-    for path in sorted(reports.glob(f"{name}-hybrid-seed*.json")):
-        sweep_path = path.with_name(path.name.replace("-hybrid-", "-sweep-"))
-        hybrid, sweep = _load(path), _load(sweep_path)
-        if not (hybrid and sweep and counts(hybrid) and counts(sweep)):
-            continue
-        trainer = {run["learning_rate"]: run["final_eval_loss"] for run in sweep["runs"]}
-        found = [(run["final_eval_loss"] - trainer[run["learning_rate"]], run["learning_rate"])
-                 for run in hybrid["runs"] if run["learning_rate"] in trainer]
-        differences += found
-        sources += [path, sweep_path] if found else []
-    if reports / f"{name}-hybrid-seed0.json" not in sources:
-        return NOT_MEASURED, []
-    worst, lr = max(differences)
-    seeds = len(sources) // 2
-    return f"{worst:+.3f} at {_lr(lr)} (of {len(differences)} runs{f', {seeds} seeds' if seeds > 1 else ''})", sources
-
-
-def rows(reports: Path = SURVEY) -> list[Row]:
-    """The table's rows, in order, each with the reports its numbers come from."""
+def summary_rows(reports: Path = SURVEY) -> list[Row]:
+    """README.md's rows: one per kind of run with current reports, then all of them."""
     settings = survey_settings({})
-    ordered = [n for half in ("fresh", "report", "tune") for n, s in settings.items() if s["half"] == half]
-    out = []
-    for name in ordered:
-        paths = sorted(reports.glob(f"{name}-user-seed*.json"))
-        if not paths:
-            continue
-        used = [(path, report) for path in paths if counts_now(report := json.loads(path.read_text()), settings[name])]
-        setting = f"`{name}` ({settings[name]['half']})"
-        if not used:
-            out.append(Row([setting, NOT_MEASURED, "-", "-", "-"]))
-        else:
-            first = used[0][1]
-            seeds = f", {len(used)} seeds" if len(used) > 1 else ""
-            setting += f": {_lr(first['learning_rate'])} ({_lr(first['swept_learning_rate'])}){seeds}"
-            check, check_sources = _never_worse(name, reports)
-            out.append(Row([setting, *_user_cells([r for _, r in used]), check],
-                           [p for p, _ in used] + check_sources))
+    g = {row["setting"]: row for row in g_rows(reports, "all")}
+    measured = [n for n in settings if n in g and current_user_reports(n, settings[n], reports)]
+    by_kind = {k: [n for n in measured if kind(settings[n]) == k] for k in KINDS}
+    out = [_kind_row(k, names, settings, reports, g) for k, names in by_kind.items() if names]
+    if len(out) > 1:
+        out.append(_kind_row("all", measured, settings, reports, g))
     return out
 
 
-def render(reports: Path = SURVEY) -> str:
-    """The block between README.md's markers: the table and its caption."""
-    lines = [HEADER, "|" + "---|" * HEADER.count(" | ") + "---|"]
-    lines += ["| " + " | ".join(row.cells) + " |" for row in rows(reports)]
-    lines += ["", CAPTION]
+def render_summary(reports: Path = SURVEY) -> str:
+    """README.md's block: the summary and its caption."""
+    lines = [SUMMARY_HEADER, "|" + "---|" * SUMMARY_HEADER.count(" | ") + "---|"]
+    lines += ["| " + " | ".join(row.cells) + " |" for row in summary_rows(reports)]
+    lines += ["", SUMMARY_CAPTION]
     return "\n".join(lines)
 
 
+BLOCKS: dict[Path, Callable[[Path], str]] = {README: render_summary, RESULTS: render_table}
+
+
 def _split(text: str) -> tuple[str, str, str]:
-    """README.md's text before the start marker, the block between the markers, and the text after the end one."""
+    """A file's text before the start marker, the block between the markers, and the text after the end one."""
     if text.count(START) != 1 or text.count(END) != 1:
-        raise ValueError(f"README.md needs one {START} and one {END}")
+        raise ValueError(f"the file needs one {START} and one {END}")
     head, rest = text.split(START, 1)
     block, tail = rest.split(END, 1)
     return head, block.strip("\n"), tail
 
 
-def readme_table(readme: Path = README) -> str:
-    return _split(readme.read_text())[1]
+def block(path: Path) -> str:
+    return _split(path.read_text())[1]
 
 
-def matches(readme: Path = README, reports: Path = SURVEY) -> bool:
-    """Whether README.md's table is what the reports render now."""
-    return readme_table(readme) == render(reports)
+def matches(path: Path, reports: Path = SURVEY, render: Callable[[Path], str] | None = None) -> bool:
+    """Whether a file's block is what the reports render now (README.md's summary or docs/results.md's table)."""
+    return block(path) == (render or BLOCKS[path])(reports)
 
 
-def write(readme: Path = README, reports: Path = SURVEY) -> None:
-    head, _, tail = _split(readme.read_text())
-    readme.write_text(f"{head}{START}\n{render(reports)}\n{END}{tail}")
+def write(path: Path, reports: Path = SURVEY) -> None:
+    head, _, tail = _split(path.read_text())
+    path.write_text(f"{head}{START}\n{BLOCKS[path](reports)}\n{END}{tail}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--check", action="store_true", help="exit 1 when README.md's table is stale")
-    parser.add_argument("--write", action="store_true", help="rewrite README.md's table")
+    parser.add_argument("--check", action="store_true", help="exit 1 when a block is stale")
+    parser.add_argument("--write", action="store_true", help="rewrite both blocks")
     args = parser.parse_args()
-    if args.write:
-        write()
-    elif args.check:
-        if not matches():
-            sys.exit("README.md's results table is not what the reports render: "
+    for path, render in BLOCKS.items():
+        if args.write:
+            write(path)
+        elif args.check and not matches(path):
+            sys.exit(f"{path.relative_to(REPO)}'s results are not what the reports render: "
                      "python scripts/render_readme.py --write")
-    else:
-        print(render())
+        elif not args.check:
+            print(render(SURVEY) + "\n")
 
 
 if __name__ == "__main__":
