@@ -40,6 +40,8 @@ def test_a_run_that_only_read_says_what_the_readings_cost_and_one_that_did_not_r
     reading = RunEnd(**{**vars(RUN), "readings": 5, "reading_seconds": 2.5})
     assert end_line(LrScale(readings=5), reading) == (
         "hf_hybrid: the learning rate 0.0001 was kept; the autopilot's 5 readings (three forwards each) took 2.5 s, "
-        "2.5% of this train() call's time; --hybrid_lr_autopilot false skips them where the learning rate is known to "
-        "be right.")
+        "2.5% of this train() call's time; --hybrid_lr_autopilot false skips the readings where the learning rate is "
+        "known to be right.")
+    one = RunEnd(**{**vars(RUN), "readings": 1, "reading_seconds": 0.5})
+    assert "the autopilot's 1 reading (three forwards each) took 0.5 s, 0.5%" in end_line(LrScale(readings=1), one)
     assert end_line(LrScale(), RUN) is None

@@ -41,7 +41,8 @@ def end_line(scale: LrScale, run: RunEnd) -> str | None:
         return f"hf_hybrid: the learning rate {user:.2g} was kept: {tried}."
     if run.readings:  # all it did was read: say what that cost
         share = run.reading_seconds / max(run.train_seconds, 1e-9)
-        return (f"hf_hybrid: the learning rate {user:.2g} was kept; the autopilot's {run.readings} readings (three "
-                f"forwards each) took {run.reading_seconds:.1f} s, {100 * share:.1f}% of this train() call's time; "
-                f"--hybrid_lr_autopilot false skips them where the learning rate is known to be right.")
+        readings = f"{run.readings} reading{'' if run.readings == 1 else 's'} (three forwards each)"
+        return (f"hf_hybrid: the learning rate {user:.2g} was kept; the autopilot's {readings} took "
+                f"{run.reading_seconds:.1f} s, {100 * share:.1f}% of this train() call's time; --hybrid_lr_autopilot "
+                f"false skips the readings where the learning rate is known to be right.")
     return None
