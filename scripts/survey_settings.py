@@ -94,6 +94,10 @@ def survey_settings(finetune: dict) -> dict[str, dict]:
         # scratch at TrainingArguments' defaults again, on another corpus and width.
         "scratch-2x96-docs-linear": dict(_scratch(2, 96, 3, "transformers-docs", "linear", 0, 300),
                                          weight_decay=0.0, grid=FINETUNE_GRID, user_lr=FINETUNE_LR),
+        # Written in session 57, after version 12, as a held-out check at a depth no other setting has: 6 layers, where
+        # every setting before it has 2-4. A from-scratch user's usual schedule (cosine after a warmup), at a tenth of
+        # its swept LR as the other from-scratch settings.
+        "scratch-6x256-docs-cosine": _scratch(6, 256, 4, "transformers-docs", "cosine", 20, 300),
     }
     return {name: dict(setting, half=half) for half, group in (("tune", tune), ("report", report), ("fresh", fresh))
             for name, setting in group.items()}
