@@ -33,10 +33,10 @@ HELD_OUT = ("fresh", "report")
 SUMMARY_HEADER = ("| at the LR a user types | settings (held out) | hybrid: speedup in updates (wall clock), median "
                   "and range | the swept LR's speedup | G in updates / wall clock (held out only) | G ahead of "
                   "Mechanic; of Prodigy | never worse: highest final loss over the Trainer's (checks) |")
-SUMMARY_CAPTION = (
+CAPTION = (
     "Rendered by `scripts/render_readme.py` from the LR-autopilot survey's reports (`docs/survey/`), on a CPU: small "
-    "GPT-2s (2-4 layers; the fine-tunes start from a 2-layer one pretrained here on Shakespeare) on the shipped "
-    "corpora and torch's source, 100-300 updates, 3 seeds. Each setting runs at the LR a user types "
+    "GPT-2s ({layers} layers; the fine-tunes start from a 2-layer one pretrained here on Shakespeare) on the shipped "
+    "corpora and torch's source, {updates} updates, {seeds}. Each setting runs at the LR a user types "
     "(`TrainingArguments`' 5e-5 to fine-tune; from scratch a tenth of the swept LR, or 5e-5 where every other "
     "argument is left at its default too) beside the plain Trainer at that LR and at the swept LR, the best of a "
     "coarse grid. A speedup is the Trainer's updates to its own final held-out loss over the arm's; G is the log of "
@@ -45,6 +45,11 @@ SUMMARY_CAPTION = (
     "was read from them). Never worse: the hybrid alone at every LR of the setting's grid from the user's to 3x the "
     "swept, against the same seed's Trainer. Every setting, with each peer's figures: "
     "[docs/results.md](docs/results.md).")
+
+
+def _span(values: set[int]) -> str:
+    """'2-6' for a range of values, '3' for one, '-' for none."""
+    return f"{min(values)}-{max(values)}" if len(values) > 1 else str(min(values)) if values else "-"
 
 
 def kind(setting: dict) -> str:
@@ -88,23 +93,32 @@ def _kind_row(label: str, names: list[str], settings: dict, reports: Path, g: di
                 never], sources)
 
 
-def summary_rows(reports: Path = SURVEY) -> list[Row]:
-    """README.md's rows: one per kind of run with current reports, then all of them."""
+def _summary(reports: Path) -> tuple[list[Row], dict[str, str]]:
+    """README.md's rows (one per kind of run with current reports at the user's LR, then all of them), and the scope
+    of the settings behind them for the caption: their layers from scratch, their updates, their seeds."""
     settings = survey_settings({})
     g = {row["setting"]: row for row in g_rows(reports, "all")}
-    measured = [n for n in settings if n in g and current_user_reports(n, settings[n], reports)]
-    by_kind = {k: [n for n in measured if kind(settings[n]) == k] for k in KINDS}
-    out = [_kind_row(k, names, settings, reports, g) for k, names in by_kind.items() if names]
-    if len(out) > 1:
-        out.append(_kind_row("all", measured, settings, reports, g))
-    return out
+    seeds = {n: len(used) for n in settings if n in g and (used := current_user_reports(n, settings[n], reports))}
+    by_kind = {k: [n for n in seeds if kind(settings[n]) == k] for k in KINDS}
+    rows = [_kind_row(k, names, settings, reports, g) for k, names in by_kind.items() if names]
+    if len(rows) > 1:
+        rows.append(_kind_row("all", list(seeds), settings, reports, g))
+    scope = dict(layers=_span({settings[n]["model"]["n_layer"] for n in by_kind["from scratch"]}),
+                 updates=_span({settings[n]["max_steps"] for n in seeds}))
+    scope["seeds"] = "1 seed" if set(seeds.values()) == {1} else f"{_span(set(seeds.values()))} seeds"
+    return rows, scope
+
+
+def summary_rows(reports: Path = SURVEY) -> list[Row]:
+    return _summary(reports)[0]
 
 
 def render_summary(reports: Path = SURVEY) -> str:
     """README.md's block: the summary and its caption."""
+    rows, scope = _summary(reports)
     lines = [SUMMARY_HEADER, "|" + "---|" * SUMMARY_HEADER.count(" | ") + "---|"]
-    lines += ["| " + " | ".join(row.cells) + " |" for row in summary_rows(reports)]
-    lines += ["", SUMMARY_CAPTION]
+    lines += ["| " + " | ".join(row.cells) + " |" for row in rows]
+    lines += ["", CAPTION.format(**scope)]
     return "\n".join(lines)
 
 

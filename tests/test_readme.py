@@ -181,4 +181,6 @@ def test_the_summary_adds_up_each_kind_of_run_from_its_current_reports(tmp_path)
         ["all", "2 (2)", "2.6x (2.2x); 2.1-3.1x", "2.7x", "0.65/0.65", "1 of 2; 2 of 2", "+0.050 (2)"],
     ]
     assert tmp_path / f"{lora}-user-seed1.json" not in rows[-1].sources
-    assert render_readme.render_summary(tmp_path).count("\n| ") == 3  # its three rows, below the header
+    rendered = render_readme.render_summary(tmp_path)
+    assert rendered.count("\n| ") == 3  # its three rows, below the header
+    assert "small GPT-2s (2 layers; " in rendered and "300 updates, 1 seed. " in rendered  # the caption's scope
