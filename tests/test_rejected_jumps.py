@@ -29,12 +29,14 @@ def dropout_gpt2() -> torch.nn.Module:
     return tiny_gpt2(dropout=0.1)
 
 
-@pytest.mark.parametrize("model, examples, evaluations",
-                         [(dropout_gpt2, 1024, False), (tiny_gpt2, 512, False), (dropout_gpt2, 512, False),
-                          (dropout_gpt2, 512, True)],
-                         ids=["dropout", "two-epochs", "dropout-two-epochs", "dropout-two-epochs-evaluated"])
+@pytest.mark.parametrize("model, examples, evaluations, streamed",
+                         [(dropout_gpt2, 1024, False, False), (tiny_gpt2, 512, False, False),
+                          (dropout_gpt2, 512, False, False), (dropout_gpt2, 512, True, False),
+                          (dropout_gpt2, 512, False, True)],
+                         ids=["dropout", "two-epochs", "dropout-two-epochs", "dropout-two-epochs-evaluated",
+                              "dropout-two-epochs-iterable"])
 def test_after_rejected_jumps_training_is_the_trainers_bit_for_bit(tmp_path, monkeypatch, model, examples,
-                                                                    evaluations):
+                                                                    evaluations, streamed):
     """With every jump rejected, the hybrid's n-th real step ends at the plain Trainer's n-th step's weights, bit
     for bit, under a decaying learning rate: nothing leaks past a rollback (weights, optimizer state, dropout RNG,
     schedule), the rolled-back jump's batches are trained on next, in the Trainer's order, and the steps it undid
@@ -44,13 +46,20 @@ def test_after_rejected_jumps_training_is_the_trainers_bit_for_bit(tmp_path, mon
     epoch's end at an earlier real step, and each epoch's DataLoader iterator draws its seed from the global RNG,
     which on CPU is also the dropout RNG: with dropout, the masks match only because that draw is deferred to the
     real step where the Trainer makes it (loop/epoch_seed.py). So is each evaluation's: the hybrid evaluates at global
-    steps that its made-up steps brought earlier in real steps (eval_seed.py)."""
+    steps that its made-up steps brought earlier in real steps (eval_seed.py). `streamed`: the data as an
+    `IterableDataset` (`datasets`' `to_iterable_dataset`, as a streamed corpus comes), which the Trainer reads in order
+    with no sampler and starts again at its end."""
+
+    def data():
+        dataset = token_dataset(examples)
+        return dataset.to_iterable_dataset(num_shards=1) if streamed else dataset
+
     plain = WeightsPerStep()
     settings = dict(max_steps=100, lr_scheduler_type="linear")  # room for 28 more steps in the last epoch
     if evaluations:
         settings.update(eval_strategy="steps", eval_steps=10)
     evaluation = token_dataset(16, seed=1) if evaluations else None
-    reference = make_trainer(tmp_path / "plain", model=model(), dataset=token_dataset(examples),
+    reference = make_trainer(tmp_path / "plain", model=model(), dataset=data(),
                              eval_dataset=evaluation, hybrid=False, **settings)
     reference.add_callback(plain)
     reference.train()
@@ -58,7 +67,7 @@ def test_after_rejected_jumps_training_is_the_trainers_bit_for_bit(tmp_path, mon
     reject_every_jump(monkeypatch)
     recorder = StepRecorder()
     # The learning-rate autopilot off: a kept raise is meant to leave the Trainer's trajectory (test_lr_autopilot.py).
-    trainer = make_trainer(tmp_path / "hybrid", model=model(), dataset=token_dataset(examples), eval_dataset=evaluation,
+    trainer = make_trainer(tmp_path / "hybrid", model=model(), dataset=data(), eval_dataset=evaluation,
                            hybrid_payoff_check=True, hybrid_max_rejections=3, hybrid_lr_autopilot=False, **settings)
     trainer.add_callback(recorder)
     recorder.trainer = trainer
