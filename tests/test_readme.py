@@ -45,8 +45,8 @@ def test_the_results_are_what_the_reports_render_now(path):
 def test_every_number_in_the_results_comes_from_a_current_report():
     rows = results_table.rows()
     measured = {path.name.split("-user-")[0] for path in results_table.SURVEY.glob("*-user-seed*.json")}
-    assert len(rows) == len(measured & set(results_table.survey_settings({}))), "a setting left out"
     settings = results_table.survey_settings({})
+    assert len(rows) == len(measured & set(settings)), "a setting left out"
     held_out = sum(settings[name]["half"] != "tune" for name in measured)
     summary = render_readme.summary_rows()
     assert summary[-1].cells[:2] == ["all", f"{len(rows)} ({held_out})"]
