@@ -11,10 +11,12 @@ from .jumps.controller import Phase, PhaseController
 
 if TYPE_CHECKING:
     from .config import HybridTrainingArguments
-    from .sft import HybridSFTConfig, HybridSFTTrainer
     from .trainer import HybridHFTrainer, HybridMixin
+    from .trl_trainers import HybridDPOConfig, HybridDPOTrainer, HybridSFTConfig, HybridSFTTrainer
 
 __all__ = [
+    "HybridDPOConfig",
+    "HybridDPOTrainer",
     "HybridHFTrainer",
     "HybridMixin",
     "HybridSFTConfig",
@@ -32,8 +34,10 @@ _LAZY = {
     "HybridTrainingArguments": "config",
     "HybridHFTrainer": "trainer",
     "HybridMixin": "trainer",
-    "HybridSFTConfig": "sft",  # needs TRL, which the import names if it is missing
-    "HybridSFTTrainer": "sft",
+    "HybridSFTConfig": "trl_trainers",  # needs TRL, which the import names if it is missing
+    "HybridSFTTrainer": "trl_trainers",
+    "HybridDPOConfig": "trl_trainers",
+    "HybridDPOTrainer": "trl_trainers",
 }
 
 

@@ -45,6 +45,7 @@ from .loop.step_veto import CountedStepSchedule, StepVeto
 from .memory.placement import CopyPlacement
 from .memory.vram import EmergencyCheckpointCallback, VramMonitor
 from .trace import StepTrace
+from .trl_logs import TrlLogsKept
 
 __all__ = ["GuardStoppedError", "HybridHFTrainer", "HybridMixin", "load_hybrid_state"]
 
@@ -78,7 +79,7 @@ class _HybridStepHooks(TrainerCallback):
         self.trainer._hybrid_train_end()
 
 
-class HybridMixin:
+class HybridMixin(TrlLogsKept):
     """Adds hybrid phases to a `transformers.Trainer` subclass: `class X(HybridMixin, SomeTrainer)`."""
 
     def __init__(self, *args, **kwargs) -> None:
@@ -251,9 +252,8 @@ class HybridMixin:
             autopilot = self._lr_autopilot
             if self.is_world_process_zero():
                 lines = jump_advice(self.hybrid_stats(), self.args.learning_rate, autopilot_on=autopilot is not None)
-                for line in [*lines, autopilot.summary() if autopilot is not None else None, self._jump_clock.advice()]:
-                    if line is not None:
-                        logger.warning(line)
+                for line in filter(None, [*lines, autopilot and autopilot.summary(), self._jump_clock.advice()]):
+                    logger.warning(line)
         if self._hybrid_trace is not None:
             self._hybrid_trace.close()
             self._hybrid_trace = None

@@ -2,8 +2,9 @@
 or by sequence (a language model's or a sequence classifier's); and a micro-batch's loss on the Trainer's own scale.
 
 Both run under a forked RNG, so their dropout masks never shift the real steps' ones: a rolled-back jump must leave no
-trace in the training that follows. Each forward gets its own shallow copy of the probe batch: `Trainer.compute_loss`
-pops "labels" from the batch it is given under a label smoother or a `compute_loss_func`, and the probe is read again.
+trace in the training that follows, nor in the logs, which the trainer's `side_forward` keeps (trl_logs.py). Each
+forward gets its own shallow copy of the probe batch: `Trainer.compute_loss` pops "labels" from the batch it is given
+under a label smoother or a `compute_loss_func`, and the probe is read again.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
-from transformers import Trainer
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 from .rng import forked_rng
@@ -23,15 +23,16 @@ from .seam import HybridTrainer
 
 
 @contextmanager
-def _paired_forward(trainer: Trainer, model: torch.nn.Module) -> Iterator[None]:
+def _paired_forward(trainer: HybridTrainer, model: torch.nn.Module) -> Iterator[None]:
     """The same dropout masks every time (a fixed seed in a forked RNG), so that two forwards of one batch at two
     sets of weights are truly paired."""
     model.train()
-    with forked_rng(trainer.args.device, trainer.args.seed), torch.no_grad(), trainer.compute_loss_context_manager():
+    with (forked_rng(trainer.args.device, trainer.args.seed), torch.no_grad(), trainer.compute_loss_context_manager(),
+          trainer.side_forward()):
         yield
 
 
-def probe_loss(trainer: Trainer, model: torch.nn.Module, probe: dict,
+def probe_loss(trainer: HybridTrainer, model: torch.nn.Module, probe: dict,
                num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
     """Loss of the probe batch at the current weights, paired with every other forward of it. The batch's mean, or,
     given the Trainer's `num_items_in_batch` for a step whose one micro-batch is the probe, the loss as
@@ -40,32 +41,60 @@ def probe_loss(trainer: Trainer, model: torch.nn.Module, probe: dict,
         return trainer.compute_loss(model, copy.copy(probe), num_items_in_batch=num_items_in_batch).detach()
 
 
-def probe_loss_by_sequence(trainer: Trainer, model: torch.nn.Module, probe: dict,
+def probe_loss_by_sequence(trainer: HybridTrainer, model: torch.nn.Module, probe: dict,
                            num_items_in_batch: torch.Tensor | int | None = None,
                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`probe_loss`, and from the same forward each sequence's mean token loss (None where they cannot be read)."""
-    with _paired_forward(trainer, model):
-        loss, outputs = trainer.compute_loss(model, copy.copy(probe), return_outputs=True,
-                                             num_items_in_batch=num_items_in_batch)
-    logits = outputs.get("logits") if isinstance(outputs, dict) else None
-    split = _loss_split(trainer, model)
-    return loss.detach(), split(logits, probe.get("labels")) if split is not None else None
+    """`probe_loss`, and from the same forward each sequence's mean token loss (None where they cannot be read). The
+    model's output is caught on its way out of the forward rather than asked of `compute_loss`: TRL's trainers compute
+    the loss from a fused LM head and run a second forward to return the logits. A batch with no labels (DPO's pairs)
+    has nothing to split by."""
+    if "labels" not in probe:
+        return probe_loss(trainer, model, probe, num_items_in_batch), None
+    caught = []
+    hook = trainer.accelerator.unwrap_model(model).register_forward_hook(lambda _, __, output: caught.append(output))
+    try:
+        loss = probe_loss(trainer, model, probe, num_items_in_batch)
+    finally:
+        hook.remove()
+    split = _loss_split(trainer, model)  # after the forward, which sets a classifier's `problem_type`
+    return loss, split(caught[-1], probe["labels"]) if split is not None and caught else None
 
 
-def _loss_split(trainer: Trainer, model: torch.nn.Module) -> Callable | None:
-    """What splits the loss by sequence where it is the model's own: a language model's cross-entropy over its tokens
-    (`sequence_losses`; an encoder-decoder's labels are its decoder's targets as they stand, unshifted), or
+def _loss_split(trainer: HybridTrainer, model: torch.nn.Module) -> Callable | None:
+    """What splits the loss by sequence, given the model's output and the labels, where the loss is the model's own: a
+    language model's cross-entropy over its tokens (`sequence_losses`, from the logits, or from TRL's fused LM head's
+    per-token log-probabilities; an encoder-decoder's labels are its decoder's targets as they stand, unshifted), or
     single-label sequence classification's over its classes (`example_losses`)."""
     if getattr(trainer, "label_smoother", None) is not None or trainer.compute_loss_func is not None:
         return None
     unwrapped = trainer.accelerator.unwrap_model(model)
     config = getattr(unwrapped, "config", None)
     if getattr(unwrapped, "loss_function", None) is ForCausalLMLoss:
-        return functools.partial(sequence_losses, shift=not getattr(config, "is_encoder_decoder", False))
+        return functools.partial(_language_model_rows, shift=not getattr(config, "is_encoder_decoder", False))
     if type(unwrapped).__name__.endswith("ForSequenceClassification") and getattr(
             config, "problem_type", None) == "single_label_classification":
-        return example_losses
+        return lambda output, labels: example_losses(_field(output, "logits"), labels)
     return None
+
+
+def _field(output: object, name: str) -> torch.Tensor | None:
+    return output.get(name) if isinstance(output, dict) else None
+
+
+def _language_model_rows(output: object, labels: torch.Tensor, shift: bool) -> torch.Tensor | None:
+    log_probs, mask = _field(output, "log_probs"), _field(output, "label_mask")
+    if _field(output, "logits") is None and log_probs is not None and mask is not None:
+        return fused_sequence_losses(log_probs, mask)
+    return sequence_losses(_field(output, "logits"), labels, shift=shift)
+
+
+@torch.no_grad()
+def fused_sequence_losses(log_probs: torch.Tensor, label_mask: torch.Tensor) -> torch.Tensor | None:
+    """Each sequence's mean token loss from a fused LM head's output (TRL's): the labels' log-probabilities, zero where
+    a label is ignored, and the mask of the labels that count; None unless both are (batch, length)."""
+    if log_probs.dim() != 2 or label_mask.shape != log_probs.shape:
+        return None
+    return -log_probs.float().sum(1) / label_mask.sum(1).clamp(min=1)
 
 
 @torch.no_grad()
@@ -93,7 +122,7 @@ def sequence_losses(logits: torch.Tensor | None, labels: torch.Tensor | None, sh
     return sums / (targets != -100).sum(1).clamp(min=1)
 
 
-def predict_step_loss(trainer: Trainer, model: torch.nn.Module, inputs: dict,
+def predict_step_loss(trainer: HybridTrainer, model: torch.nn.Module, inputs: dict,
                       num_items_in_batch: torch.Tensor | int | None) -> torch.Tensor:
     """A Predict micro-batch's loss from a no-grad forward, scaled as `Trainer.training_step` scales a real one."""
     model.train()
@@ -107,7 +136,7 @@ def training_step_loss(trainer: HybridTrainer, model: torch.nn.Module, inputs: d
     on the scale of the loss the Trainer logs and the guard judges. A plain mean can differ from it: where the Trainer
     does not see that the loss shifts the labels it counts every label, one more per sequence than the loss averages
     over (1.6% at 64 tokens)."""
-    with trainer.compute_loss_context_manager():
+    with trainer.compute_loss_context_manager(), trainer.side_forward():
         loss = trainer.compute_loss(model, trainer.prepare_inputs(inputs), num_items_in_batch=num_items_in_batch)
     scaled = getattr(trainer, "loss_is_scaled_for_ga", None)  # absent from older transformers (5.17)
     if scaled is None:  # the same rule as Trainer.training_step

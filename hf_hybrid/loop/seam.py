@@ -6,6 +6,7 @@ it."""
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -47,6 +48,10 @@ class HybridTrainer(Protocol):
 
     def prepare_inputs(self, inputs: dict) -> dict:
         """A batch as the Trainer prepares it for the model (on its device)."""
+
+    def side_forward(self) -> AbstractContextManager:
+        """Around a forward the hybrid runs besides training: what `compute_loss` records for the logs (TRL's token
+        count and metrics) comes back as it was."""
 
 
 def mean_across_ranks(accelerator: Accelerator, device: torch.device, values: tuple) -> list[float]:
