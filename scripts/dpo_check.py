@@ -1,0 +1,167 @@
+"""DPO at the learning rate a TRL user types: `DPOConfig`'s default 1e-6. Side by side from the same pretrained GPT-2
+(the CPU fine-tunes' checkpoint, pretrained on the shipped Shakespeare), on the same pairs, seed and order: TRL's
+`DPOTrainer` at the user's LR, `HybridDPOTrainer` with its defaults at the same LR, and `DPOTrainer` at the swept LR.
+
+The pairs come from the shipped transformers docstrings, in 32-token blocks: the prompt is a block's first 16 tokens,
+the chosen completion its own next 16, the rejected one the next 16 of another block (a non sequitur). Held out: DPO's
+loss on 64 validation pairs, every 10 updates and at the start. Speed is to the user-LR Trainer's final held-out loss,
+in updates and in training seconds (evaluations excluded), interpolated between evaluations; G is the log of the
+hybrid's speedup over the log of the swept LR's.
+
+    python scripts/dpo_check.py sweep [--seed 0 --learning_rates 1e-6,1e-5,1e-4,1e-3]
+    python scripts/dpo_check.py run --swept LR [--seeds 0,1,2 --learning_rate 1e-6]
+Reports go to docs/reports/dpo-check-*.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+from model_and_data import pretrained_checkpoint, tokenized_corpus
+from presets import FINETUNE
+
+ROOT = Path(__file__).resolve().parent.parent
+REPORTS = ROOT / "docs" / "reports"
+PROMPT, COMPLETION = 16, 16  # within the checkpoint's 64 positions, with room for retokenized text
+STEPS, BATCH, EVAL_EVERY, EVAL_PAIRS, TRAIN_PAIRS = 100, 8, 10, 64, 1600
+USER_LR = 1e-6  # trl.DPOConfig's default
+
+
+def preference_pairs():
+    """Train and validation pairs as text, built the same way every time."""
+    from datasets import Dataset
+
+    from hf_hybrid.data import load_shipped_tokenizer
+
+    tokenizer = load_shipped_tokenizer()
+    blocks = tokenized_corpus("transformers-docs", PROMPT + COMPLETION)
+
+    def pairs(split: str, n: int) -> Dataset:
+        ids = blocks[split]["input_ids"][:n]
+        rows = [{"prompt": tokenizer.decode(block[:PROMPT]), "chosen": tokenizer.decode(block[PROMPT:]),
+                 "rejected": tokenizer.decode(ids[(i + 7919) % len(ids)][PROMPT:])} for i, block in enumerate(ids)]
+        return Dataset.from_list(rows)
+
+    return pairs("train", TRAIN_PAIRS), pairs("validation", EVAL_PAIRS), tokenizer
+
+
+class Clock:
+    """Training seconds per optimizer step (the hybrid's readings included, evaluations not), and each evaluation's
+    [updates, training seconds, held-out loss]."""
+
+    def __init__(self) -> None:
+        from transformers import TrainerCallback
+
+        clock = self
+
+        class Callback(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kwargs):
+                clock.started = time.perf_counter()
+
+            def on_step_end(self, args, state, control, **kwargs):
+                clock.seconds += time.perf_counter() - clock.started
+
+            def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+                clock.evals.append([state.global_step, clock.seconds, metrics["eval_loss"]])
+
+        self.callback, self.seconds, self.started, self.evals = Callback(), 0.0, 0.0, []
+
+
+def run_arm(arm: str, learning_rate: float, seed: int, data) -> dict:
+    import torch
+    import trl
+
+    from hf_hybrid import HybridDPOConfig, HybridDPOTrainer
+
+    train, validation, tokenizer = data
+    hybrid = arm == "hybrid"
+    config, trainer_class = (HybridDPOConfig, HybridDPOTrainer) if hybrid else (trl.DPOConfig, trl.DPOTrainer)
+    torch.manual_seed(seed)
+    args = config(output_dir=str(ROOT / "runs" / "dpo-check" / f"{arm}-{learning_rate:g}-seed{seed}"),
+                  learning_rate=learning_rate, max_steps=STEPS, per_device_train_batch_size=BATCH,
+                  per_device_eval_batch_size=32, eval_strategy="steps", eval_steps=EVAL_EVERY, eval_on_start=True,
+                  max_length=48, logging_steps=10**6, save_strategy="no", report_to="none",
+                  seed=seed, data_seed=seed, use_cpu=True, bf16=False, disable_tqdm=True)
+    clock = Clock()
+    trainer = trainer_class(model=pretrained_checkpoint(FINETUNE), args=args, train_dataset=train,
+                            eval_dataset=validation, processing_class=tokenizer, callbacks=[clock.callback])
+    trainer.train()
+    stats = trainer.hybrid_stats() if hybrid else None
+    print(f"{arm} lr {learning_rate:g} seed {seed}: final {clock.evals[-1][2]:.4f}, {clock.seconds:.1f} s"
+          + (f", scale {stats['lr_scale']:.2f}" if stats else ""), flush=True)
+    return {"arm": arm, "learning_rate": learning_rate, "seed": seed, "evals": clock.evals,
+            "train_seconds": clock.seconds, "hybrid_stats": stats}
+
+
+def reached(evals: list, target: float) -> tuple[float, float] | None:
+    """(updates, seconds) where the held-out loss first reaches `target`, interpolated between evaluations."""
+    for (s0, t0, l0), (s1, t1, l1) in zip(evals, evals[1:]):
+        if l1 <= target:
+            share = 1.0 if l0 == l1 else (l0 - target) / (l0 - l1)
+            share = min(max(share, 0.0), 1.0)
+            return s0 + share * (s1 - s0), t0 + share * (t1 - t0)
+    return None
+
+
+def speedups(baseline: dict, arm: dict) -> tuple[float, float] | None:
+    """The arm's speedup over the baseline to the baseline's final held-out loss: (updates, seconds)."""
+    at = reached(arm["evals"], baseline["evals"][-1][2])
+    base = baseline["evals"][-1]
+    return None if at is None else (base[0] / at[0], base[1] / at[1])
+
+
+def sweep(args) -> None:
+    data = preference_pairs()
+    results = [run_arm("baseline", lr, args.seed, data) for lr in map(float, args.learning_rates.split(","))]
+    path = REPORTS / f"dpo-check-sweep-seed{args.seed}.json"
+    kept = json.loads(path.read_text())["arms"] if path.exists() else []
+    new = {r["learning_rate"] for r in results}
+    results = sorted([r for r in kept if r["learning_rate"] not in new] + results, key=lambda r: r["learning_rate"])
+    path.write_text(json.dumps({"behaviour_version": behaviour_version(), "arms": results}, indent=1))
+    for r in results:
+        print(f"{r['learning_rate']:g}: {r['evals'][-1][2]:.4f}")
+    print(f"wrote {path.relative_to(ROOT)}")
+
+
+def run(args) -> None:
+    data = preference_pairs()
+    for seed in map(int, args.seeds.split(",")):
+        arms = [run_arm("baseline", args.learning_rate, seed, data), run_arm("hybrid", args.learning_rate, seed, data),
+                run_arm("swept", args.swept, seed, data)]
+        baseline = arms[0]
+        summary = {arm["arm"]: speedups(baseline, arm) for arm in arms[1:]}
+        hybrid, swept = summary["hybrid"], summary["swept"]
+        g = [math.log(h) / math.log(s) if h and s and s > 1 else None for h, s in zip(hybrid or (), swept or ())]
+        summary.update(g=g, final={arm["arm"]: arm["evals"][-1][2] for arm in arms})
+        path = REPORTS / f"dpo-check-v{behaviour_version()}-seed{seed}.json"
+        path.write_text(json.dumps({"behaviour_version": behaviour_version(), "summary": summary, "arms": arms},
+                                   indent=1))
+        print(json.dumps(summary), f"-> {path.relative_to(ROOT)}", flush=True)
+
+
+def behaviour_version() -> int:
+    from hf_hybrid import BEHAVIOUR_VERSION
+
+    return BEHAVIOUR_VERSION
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    s = commands.add_parser("sweep")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--learning_rates", default="1e-6,1e-5,1e-4,1e-3")
+    r = commands.add_parser("run")
+    r.add_argument("--swept", type=float, required=True)
+    r.add_argument("--seeds", default="0,1,2")
+    r.add_argument("--learning_rate", type=float, default=USER_LR)
+    args = parser.parse_args()
+    {"sweep": sweep, "run": run}[args.command](args)
+
+
+if __name__ == "__main__":
+    main()
