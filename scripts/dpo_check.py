@@ -10,6 +10,7 @@ hybrid's speedup over the log of the swept LR's.
 
     python scripts/dpo_check.py sweep [--seed 0 --learning_rates 1e-6,1e-5,1e-4,1e-3]
     python scripts/dpo_check.py run --swept LR [--seeds 0,1,2 --learning_rate 1e-6]
+    python scripts/dpo_check.py check [--seed 0 --learning_rates 1e-4,3e-4,1e-3]   # never worse, hybrid vs plain
 Reports go to docs/reports/dpo-check-*.json.
 """
 
@@ -143,6 +144,26 @@ def run(args) -> None:
         print(json.dumps(summary), f"-> {path.relative_to(ROOT)}", flush=True)
 
 
+def check(args) -> None:
+    """Never worse: the hybrid against the plain run at each LR, same seed; the plain run is the sweep's where it
+    has one (the same arm)."""
+    data = preference_pairs()
+    swept = REPORTS / f"dpo-check-sweep-seed{args.seed}.json"
+    plain = {r["learning_rate"]: r for r in json.loads(swept.read_text())["arms"]} if swept.exists() else {}
+    rows = []
+    for lr in map(float, args.learning_rates.split(",")):
+        baseline = plain.get(lr) or run_arm("baseline", lr, args.seed, data)
+        hybrid = run_arm("hybrid", lr, args.seed, data)
+        rows.append({"learning_rate": lr, "hybrid_minus_trainer": hybrid["evals"][-1][2] - baseline["evals"][-1][2],
+                     "bit_for_bit": [e[2] for e in hybrid["evals"]] == [e[2] for e in baseline["evals"]],
+                     "hybrid": hybrid})
+        print(f"{lr:g}: hybrid - Trainer {rows[-1]['hybrid_minus_trainer']:+.4f}"
+              f"{' (every evaluation bit for bit)' if rows[-1]['bit_for_bit'] else ''}", flush=True)
+    path = REPORTS / f"dpo-check-v{behaviour_version()}-never-worse-seed{args.seed}.json"
+    path.write_text(json.dumps({"behaviour_version": behaviour_version(), "checks": rows}, indent=1))
+    print(f"wrote {path.relative_to(ROOT)}")
+
+
 def behaviour_version() -> int:
     from hf_hybrid import BEHAVIOUR_VERSION
 
@@ -159,8 +180,11 @@ def main() -> None:
     r.add_argument("--swept", type=float, required=True)
     r.add_argument("--seeds", default="0,1,2")
     r.add_argument("--learning_rate", type=float, default=USER_LR)
+    c = commands.add_parser("check")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--learning_rates", default="1e-4,3e-4,1e-3")
     args = parser.parse_args()
-    {"sweep": sweep, "run": run}[args.command](args)
+    {"sweep": sweep, "run": run, "check": check}[args.command](args)
 
 
 if __name__ == "__main__":
