@@ -97,8 +97,8 @@ def run_arm(trainer: str, arm: str, learning_rate: float, seed: int, data) -> di
                   learning_rate=learning_rate, max_steps=STEPS, per_device_train_batch_size=BATCH,
                   per_device_eval_batch_size=32, eval_strategy="steps", eval_steps=EVAL_EVERY, eval_on_start=True,
                   max_length=(SFT_BLOCK if trainer == "sft" else PROMPT + COMPLETION) + RETOKENIZED_ROOM,
-                  logging_steps=10**6, save_strategy="no",
-                  report_to="none", seed=seed, data_seed=seed, use_cpu=True, bf16=False, disable_tqdm=True)
+                  logging_steps=10**6, save_strategy="no", report_to="none", seed=seed, data_seed=seed, use_cpu=True,
+                  bf16=False, disable_tqdm=True)
     clock = Clock()
     run = trainer_class(model=pretrained_checkpoint(FINETUNE), args=args, train_dataset=train,
                         eval_dataset=validation, processing_class=tokenizer, callbacks=[clock.callback])
