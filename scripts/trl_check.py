@@ -26,12 +26,14 @@ from pathlib import Path
 
 from model_and_data import pretrained_checkpoint, tokenized_corpus
 from presets import FINETUNE
+from report import SECONDS, time_to
 
 ROOT = Path(__file__).resolve().parent.parent
 REPORTS = ROOT / "docs" / "reports"
 PROMPT, COMPLETION, SFT_BLOCK = 16, 16, 48  # within the checkpoint's 64 positions
 RETOKENIZED_ROOM = 16  # decoded text tokenizes again to about as many tokens, plus TRL's end token
 STEPS, BATCH, EVAL_EVERY, EVAL_PAIRS, TRAIN_PAIRS = 100, 8, 10, 64, 1600
+STEP = 0  # an evaluation is [step, training seconds, held-out loss], as report.time_to reads it
 USER_LR = {"dpo": 1e-6, "sft": 2e-5}  # trl.DPOConfig's and trl.SFTConfig's defaults
 SWEEP = {"dpo": "1e-6,1e-5,1e-4,1e-3", "sft": "2e-5,2e-4,1e-3,3e-3,1e-2"}
 
@@ -110,21 +112,11 @@ def run_arm(trainer: str, arm: str, learning_rate: float, seed: int, data) -> di
             "train_seconds": clock.seconds, "hybrid_stats": stats}
 
 
-def reached(evals: list, target: float) -> tuple[float, float] | None:
-    """(updates, seconds) where the held-out loss first reaches `target`, interpolated between evaluations."""
-    for (s0, t0, l0), (s1, t1, l1) in zip(evals, evals[1:]):
-        if l1 <= target:
-            share = 1.0 if l0 == l1 else (l0 - target) / (l0 - l1)
-            share = min(max(share, 0.0), 1.0)
-            return s0 + share * (s1 - s0), t0 + share * (t1 - t0)
-    return None
-
-
 def speedups(baseline: dict, arm: dict) -> tuple[float, float] | None:
     """The arm's speedup over the baseline to the baseline's final held-out loss: (updates, seconds)."""
-    at = reached(arm["evals"], baseline["evals"][-1][2])
-    base = baseline["evals"][-1]
-    return None if at is None else (base[0] / at[0], base[1] / at[1])
+    target, base = baseline["evals"][-1][2], baseline["evals"][-1]
+    at = [time_to(arm["evals"], target, column) for column in (STEP, SECONDS)]
+    return None if at[0] is None else (base[STEP] / at[0], base[SECONDS] / at[1])
 
 
 def sweep(args) -> None:
