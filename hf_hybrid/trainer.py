@@ -39,7 +39,7 @@ from .jumps.controller import Phase
 from .jumps.engine import HybridEngine
 from .jumps.lr_advice import jump_advice
 from .jumps.predict_step import predict_training_step
-from .launch import check_launch_mode
+from .launch import check_run_supported
 from .loop.seam import StepLosses, mean_across_ranks
 from .loop.step_veto import CountedStepSchedule, StepVeto
 from .memory.placement import CopyPlacement
@@ -96,7 +96,7 @@ class HybridMixin(TrlLogsKept):
         self._jump_clock = JumpClock(self)
         if not self.hybrid_config.enabled:
             return
-        check_launch_mode(self)
+        check_run_supported(self)
         if (ignored := ignored_flags(self.args)) and self.args.process_index == 0:
             logger.warning(f"hf_hybrid: --hybrid_predictor {self.hybrid_config.jumps.predictor.name} does not read "
                            f"{', '.join('--' + f for f in ignored)}: they have no effect on this run.")

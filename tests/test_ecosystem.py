@@ -228,6 +228,50 @@ def test_a_probe_forward_leaves_trls_metrics_as_they_were(tmp_path, kind):
     assert recorded() != kept  # what a training step records, TRL records
 
 
+def _online_run(tmp_path, kind: str, mixin: bool, **overrides):
+    """A tiny GPT-2 through TRL's GRPO or RLOO trainer, which generates its completions in `_prepare_inputs`, as TRL's
+    own class or with the mixin (its config paired as `HybridSFTConfig` pairs SFT's)."""
+    trl = pytest.importorskip("trl")
+    from hf_hybrid.data import load_shipped_tokenizer
+
+    tokenizer = load_shipped_tokenizer()
+    tokenizer.pad_token = tokenizer.eos_token
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_positions=32, n_embd=16, n_layer=1, n_head=2))
+    config_class, trainer_class = getattr(trl, f"{kind}Config"), getattr(trl, f"{kind}Trainer")
+    if mixin:
+        config_class = dataclass(type(f"Hybrid{kind}Config", (config_class, HybridTrainingArguments), {}))
+        trainer_class = type(f"Hybrid{kind}Trainer", (HybridMixin, trainer_class), {})
+    args = config_class(**{**dict(output_dir=str(tmp_path / f"{kind}-{mixin}"), per_device_train_batch_size=4,
+                                  num_generations=4, max_completion_length=6, max_steps=4, save_strategy="no",
+                                  report_to="none", use_cpu=True, disable_tqdm=True, seed=0, bf16=False,
+                                  learning_rate=1e-3, beta=0.0), **overrides})  # beta 0: no reference model to load
+    prompts = Dataset.from_list([{"prompt": f"{s} sat on"} for s in ("the cat", "the dog", "a king", "a fool")] * 4)
+    return trainer_class(model=model, reward_funcs=lambda completions, **_: [float(len(c)) for c in completions],
+                         args=args, train_dataset=prompts, processing_class=tokenizer)
+
+
+@pytest.mark.parametrize("kind", ["GRPO", "RLOO"])
+def test_trainers_that_generate_their_batches_are_refused_in_one_line(tmp_path, kind):
+    # The probe and the guard's re-run call _prepare_inputs again, which here generates again: with the autopilot on
+    # and nothing raised, a GRPO run trained on other completions than GRPOTrainer's. Refused before training starts.
+    with pytest.raises(ValueError) as info:
+        _online_run(tmp_path, kind, mixin=True)
+    message = str(info.value)
+    assert "\n" not in message
+    for needle in (f"{kind}Trainer", "_prepare_inputs", "--hybrid false"):
+        assert needle in message
+    # --hybrid false is TRL's own trainer, bit for bit (each built just before it trains: both draw from the RNG).
+    weights = []
+    for mixin, flags in ((False, {}), (True, dict(hybrid=False))):
+        trainer = _online_run(tmp_path, kind, mixin, **flags)
+        before = flat_params(trainer.model).clone()
+        trainer.train()
+        weights.append(flat_params(trainer.model))
+        assert not torch.equal(weights[-1], before)
+    assert torch.equal(*weights)
+
+
 # ---- any other Trainer subclass ------------------------------------------------------------------------
 
 
