@@ -90,9 +90,10 @@ class StepVeto:
         state.max_steps += room
         if room < steps and trainer.is_world_process_zero():
             logger.warning(
-                f"{steps - room} optimizer steps undone by a rolled-back jump cannot be made up: the Trainer's last "
-                f"epoch ends at step {self.last_step}. This run makes {steps - room} fewer real updates than "
-                "the Trainer would; a max_steps short of the data's last epoch leaves room for them."
+                f"hf_hybrid: {steps - room} optimizer steps undone or skipped (a rolled-back jump, an undone raise, "
+                f"the guard) cannot be made up: the Trainer's last epoch ends at step {self.last_step}. This run makes "
+                f"{steps - room} fewer real updates than the Trainer would; a max_steps short of the data's last epoch "
+                "leaves room for them."
             )
         for bar in self._progress_bars():
             bar.total = state.max_steps
