@@ -29,7 +29,7 @@ from transformers.trainer_utils import TrainOutput
 from transformers.utils import logging
 
 from .autopilot.runner import LrAutopilot, build_autopilot
-from .autopilot.setup import plain_stats
+from .autopilot.setup import autopilot_use, plain_stats
 from .checkpoint import Stateful, find_hybrid_state, load_hybrid_state, load_parts, save_hybrid_state
 from .config import hybrid_config, ignored_flags
 from .guard.rules import StepGuard
@@ -249,9 +249,9 @@ class HybridMixin(TrlLogsKept):
     def _hybrid_train_end(self) -> None:
         if self._hybrid is not None:
             self._hybrid.finish()
-            autopilot = self._lr_autopilot
+            autopilot, use = self._lr_autopilot, autopilot_use(self.hybrid_config, self._lr_autopilot)
             if self.is_world_process_zero():
-                lines = jump_advice(self.hybrid_stats(), self.args.learning_rate, autopilot_on=autopilot is not None)
+                lines = jump_advice(self.hybrid_stats(), self.args.learning_rate, use)
                 for line in filter(None, [*lines, autopilot and autopilot.summary(), self._jump_clock.advice()]):
                     logger.warning(line)
         if self._hybrid_trace is not None:

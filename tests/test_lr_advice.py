@@ -31,6 +31,22 @@ def test_a_too_small_learning_rate_is_named_with_a_factor(tmp_out, caplog):
     assert f"{stats['predictions_kept']} of {stats['predictions_judged']} jumps kept" in log
 
 
+def test_where_the_autopilot_was_asked_for_but_could_not_run_the_advice_does_not_offer_it(tmp_out, caplog):
+    # The guard off leaves the autopilot no undo point (as an SGD optimizer or a OneCycleLR leaves it nothing to
+    # read): its flag is on, its own line said it is off, and passing the flag again would change nothing.
+    trainer = make_trainer(tmp_out, learning_rate=1e-4, hybrid_guard=False, **OUTER)
+    with caplog.at_level(logging.WARNING):
+        trainer.train()
+    assert "the learning-rate autopilot is off for this run" in caplog.text
+    assert "the learning rate looks too small" in caplog.text
+    assert "--hybrid_lr_autopilot true" not in caplog.text
+    stats = trainer.hybrid_stats()
+    for use, offered in (("off", True), ("unavailable", False)):
+        lines = jump_advice(stats, 1e-4, use)
+        assert ("--hybrid_lr_autopilot true" in lines[-1]) is offered and "looks too small" in lines[-1]
+    assert not any("too small" in line for line in jump_advice(stats, 1e-4, "on"))
+
+
 def test_at_the_tuned_learning_rate_it_stays_silent(tmp_out, caplog):
     stats, log = advice_after_training(tmp_out, 3e-3, caplog)
     assert stats["predictions_kept"] == 0 and stats["predictions_judged"] > 0

@@ -23,6 +23,12 @@ def lr_autopilot_missing(config: HybridConfig) -> list[str] | None:
                                  "--hybrid_guard_snapshot_steps > 0"]
 
 
+def autopilot_use(config: HybridConfig, autopilot: object | None) -> str:
+    """For the end lines (jumps/lr_advice.py): "on" where the run has an autopilot, "unavailable" where the flag asked
+    for one and the run lacked what it needs, "off" where the flag turned it off."""
+    return "on" if autopilot is not None else "unavailable" if lr_autopilot_missing(config) is not None else "off"
+
+
 def inner_scheduler(trainer: HybridTrainer) -> LRScheduler:
     """The Trainer's scheduler itself, unwrapped from accelerate's."""
     return getattr(trainer.lr_scheduler, "scheduler", trainer.lr_scheduler)

@@ -9,6 +9,10 @@ ratio is a lower bound on the factor; the right LR may be further away (the jump
 
 from __future__ import annotations
 
+from typing import Literal
+
+# The autopilot in a run: on; off by its flag; or asked for by the flag but lacking what it needs (autopilot/setup.py).
+AutopilotUse = Literal["on", "off", "unavailable"]
 MIN_JUDGED = 5  # fewer verdicts than this is no evidence either way
 MIN_KEPT_SHARE = 0.7  # most jumps must pay, not a lucky few
 MIN_SPEEDUP = 1.1  # kept jumps must be worth at least a tenth of the run's real steps
@@ -34,8 +38,10 @@ def jump_summary(stats: dict) -> str | None:
     return f"{line}; {held}." if passed else f"{line}."
 
 
-def lr_too_small(stats: dict, learning_rate: float) -> str | None:
-    """The warning line when the jumps' evidence says the learning rate is too small; None otherwise."""
+def lr_too_small(stats: dict, learning_rate: float, offer_autopilot: bool = True) -> str | None:
+    """The warning line when the jumps' evidence says the learning rate is too small; None otherwise. It offers the
+    autopilot only where the flag would turn it on (`offer_autopilot`): where the flag is on and the run lacked what it
+    needs, its own line said why at the start."""
     judged, kept, real = stats["predictions_judged"], stats["predictions_kept"], stats["backward_steps"]
     if judged < MIN_JUDGED or kept < MIN_KEPT_SHARE * judged or real <= 0:
         return None
@@ -44,14 +50,15 @@ def lr_too_small(stats: dict, learning_rate: float) -> str | None:
         return None
     # A lower bound: a kept jump recovers only part of the distance to the right LR (docs/benchmarks-history.md,
     # "The learning rate users run without a sweep").
-    return (f"hf_hybrid: the learning rate looks too small: {kept} of {judged} jumps paid, worth {factor:.2f}x the "
+    line = (f"hf_hybrid: the learning rate looks too small: {kept} of {judged} jumps paid, worth {factor:.2f}x the "
             f"progress of the real steps alone, so it is at least about {factor:.1f}x too small. Sweep upward from "
-            f"--learning_rate {learning_rate * factor:.2g}, or pass --hybrid_lr_autopilot true to let the trainer "
-            "raise it, judged and undone when it does not pay.")
+            f"--learning_rate {learning_rate * factor:.2g}")
+    offer = ", or pass --hybrid_lr_autopilot true to let the trainer raise it, judged and undone when it does not pay"
+    return f"{line}{offer if offer_autopilot else ''}."
 
 
-def jump_advice(stats: dict, learning_rate: float, autopilot_on: bool = False) -> list[str]:
+def jump_advice(stats: dict, learning_rate: float, autopilot: AutopilotUse = "off") -> list[str]:
     """The lines said at the end of training: what the jumps gained, and whether the learning rate looks too small
     (unless the autopilot was on: it says what it did to the learning rate itself)."""
-    too_small = None if autopilot_on else lr_too_small(stats, learning_rate)
+    too_small = None if autopilot == "on" else lr_too_small(stats, learning_rate, offer_autopilot=autopilot == "off")
     return [line for line in (jump_summary(stats), too_small) if line is not None]
