@@ -12,13 +12,26 @@ from .jumps.controller import Phase, PhaseController
 if TYPE_CHECKING:
     from .config import HybridTrainingArguments
     from .trainer import HybridHFTrainer, HybridMixin
-    from .trl_trainers import HybridDPOConfig, HybridDPOTrainer, HybridSFTConfig, HybridSFTTrainer
+    from .trl_trainers import (
+        HybridDPOConfig,
+        HybridDPOTrainer,
+        HybridKTOConfig,
+        HybridKTOTrainer,
+        HybridRewardConfig,
+        HybridRewardTrainer,
+        HybridSFTConfig,
+        HybridSFTTrainer,
+    )
 
 __all__ = [
     "HybridDPOConfig",
     "HybridDPOTrainer",
     "HybridHFTrainer",
+    "HybridKTOConfig",
+    "HybridKTOTrainer",
     "HybridMixin",
+    "HybridRewardConfig",
+    "HybridRewardTrainer",
     "HybridSFTConfig",
     "HybridSFTTrainer",
     "HybridTrainingArguments",
@@ -38,6 +51,10 @@ _LAZY = {
     "HybridSFTTrainer": "trl_trainers",
     "HybridDPOConfig": "trl_trainers",
     "HybridDPOTrainer": "trl_trainers",
+    "HybridKTOConfig": "trl_trainers",
+    "HybridKTOTrainer": "trl_trainers",
+    "HybridRewardConfig": "trl_trainers",
+    "HybridRewardTrainer": "trl_trainers",
 }
 
 

@@ -1,5 +1,7 @@
 """TRL's trainers with hybrid phases, one import away: `HybridSFTTrainer` / `HybridSFTConfig` for supervised
-fine-tuning and `HybridDPOTrainer` / `HybridDPOConfig` for preference tuning.
+fine-tuning, `HybridDPOTrainer` / `HybridDPOConfig` and `HybridKTOTrainer` / `HybridKTOConfig` for preference tuning,
+and `HybridRewardTrainer` / `HybridRewardConfig` for reward models. TRL's online trainers (GRPO, RLOO) are refused at
+start (launch.py says why).
 
 Imported lazily by `hf_hybrid` (only TRL users pay for importing TRL); without TRL installed, importing any of them
 names the package to install.
@@ -13,8 +15,8 @@ try:
     import trl
 except ImportError as err:
     raise ImportError(
-        "HybridSFTTrainer, HybridDPOTrainer and their configs need TRL, which is not installed: pip install trl "
-        "(or pip install 'hf-hybrid[trl]')."
+        "HybridSFTTrainer, HybridDPOTrainer, HybridKTOTrainer, HybridRewardTrainer and their configs need TRL, which "
+        "is not installed: pip install trl (or pip install 'hf-hybrid[trl]')."
     ) from err
 
 from .config import HybridTrainingArguments
@@ -42,3 +44,23 @@ class HybridDPOConfig(trl.DPOConfig, HybridTrainingArguments):
 class HybridDPOTrainer(HybridMixin, trl.DPOTrainer):
     """A drop-in `trl.DPOTrainer` with the hybrid's phases and the guard. DPO's loss is over chosen-rejected pairs,
     which the probe cannot split by sequence, so a jump's and a raise's noise margin is 0 there."""
+
+
+@dataclass
+class HybridKTOConfig(trl.KTOConfig, HybridTrainingArguments):
+    """`trl.KTOConfig` with the `hybrid_*` fields of `HybridTrainingArguments`; TRL's defaults win."""
+
+
+class HybridKTOTrainer(HybridMixin, trl.KTOTrainer):
+    """A drop-in `trl.KTOTrainer` with the hybrid's phases and the guard. KTO's loss is over desirable and undesirable
+    completions against a batch-level KL term, which the probe cannot split by sequence: the noise margin is 0 there."""
+
+
+@dataclass
+class HybridRewardConfig(trl.RewardConfig, HybridTrainingArguments):
+    """`trl.RewardConfig` with the `hybrid_*` fields of `HybridTrainingArguments`; TRL's defaults win."""
+
+
+class HybridRewardTrainer(HybridMixin, trl.RewardTrainer):
+    """A drop-in `trl.RewardTrainer` with the hybrid's phases and the guard. Its pairwise loss carries no labels for
+    the probe to split by sequence: the noise margin is 0 there."""

@@ -14,6 +14,7 @@ import torch
 from datasets import Dataset
 from transformers import (
     GPT2Config,
+    GPT2ForSequenceClassification,
     GPT2LMHeadModel,
     Seq2SeqTrainer,
     Seq2SeqTrainingArguments,
@@ -155,8 +156,18 @@ def _preference_pairs() -> Dataset:
     return Dataset.from_list(rows * 4)
 
 
+def _desirability() -> Dataset:
+    """KTO's kind of data: a prompt and a completion, labelled desirable or not."""
+    rows = [{"prompt": row["prompt"], "completion": row[side], "label": side == "chosen"}
+            for row in _preference_pairs() for side in ("chosen", "rejected")]
+    return Dataset.from_list(rows)
+
+
+TRL_KINDS = {"sft": "SFT", "dpo": "DPO", "kto": "KTO", "reward": "Reward"}
+
+
 def _trl_run(tmp_path, kind: str, hybrid: bool, **overrides):
-    """A tiny GPT-2 through TRL's SFT or DPO trainer, with the hybrid's defaults or as TRL's own class."""
+    """A tiny GPT-2 through one of TRL's offline trainers, with the hybrid's defaults or as TRL's own class."""
     trl = pytest.importorskip("trl")
     import hf_hybrid
     from hf_hybrid.data import load_shipped_tokenizer
@@ -164,22 +175,25 @@ def _trl_run(tmp_path, kind: str, hybrid: bool, **overrides):
     tokenizer = load_shipped_tokenizer()
     tokenizer.pad_token = tokenizer.eos_token
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_positions=32, n_embd=16, n_layer=1, n_head=2,
-                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
-    name = {"sft": "SFT", "dpo": "DPO"}[kind]
+    config = GPT2Config(vocab_size=len(tokenizer), n_positions=32, n_embd=16, n_layer=1, n_head=2, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, num_labels=1, pad_token_id=tokenizer.pad_token_id)
+    model = GPT2ForSequenceClassification(config) if kind == "reward" else GPT2LMHeadModel(config)
+    name = TRL_KINDS[kind]
     config_class = getattr(hf_hybrid, f"Hybrid{name}Config") if hybrid else getattr(trl, f"{name}Config")
     trainer_class = getattr(hf_hybrid, f"Hybrid{name}Trainer") if hybrid else getattr(trl, f"{name}Trainer")
     settings = dict(output_dir=str(tmp_path / f"{kind}-{hybrid}"), per_device_train_batch_size=4, max_steps=24,
                     logging_steps=4, save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True, seed=0,
                     bf16=False, max_length=32)
     args = config_class(**{**settings, **overrides})
-    if kind == "sft":
-        return trainer_class(model=model, args=args, train_dataset=_sft_text(), processing_class=tokenizer)
-    return trainer_class(model=model, ref_model=copy.deepcopy(model), args=args, train_dataset=_preference_pairs(),
+    if kind in ("sft", "reward"):
+        data = _sft_text() if kind == "sft" else _preference_pairs()
+        return trainer_class(model=model, args=args, train_dataset=data, processing_class=tokenizer)
+    data = _preference_pairs() if kind == "dpo" else _desirability()
+    return trainer_class(model=model, ref_model=copy.deepcopy(model), args=args, train_dataset=data,
                          processing_class=tokenizer)
 
 
-@pytest.mark.parametrize("kind", ["sft", "dpo"])
+@pytest.mark.parametrize("kind", list(TRL_KINDS))
 def test_trls_token_count_is_its_own_trainers_under_the_hybrid(tmp_path, kind):
     # The autopilot reads the probe batch along the next step every few steps, through the same compute_loss in
     # which TRL counts the tokens trained on: those forwards must not count. DPO's compute_loss also runs a second
@@ -198,7 +212,7 @@ def test_trls_token_count_is_its_own_trainers_under_the_hybrid(tmp_path, kind):
     assert len(counted[0]) == 6 and counted[1] == counted[0]
 
 
-@pytest.mark.parametrize("kind", ["sft", "dpo"])
+@pytest.mark.parametrize("kind", list(TRL_KINDS))
 def test_a_probe_forward_leaves_trls_metrics_as_they_were(tmp_path, kind):
     from hf_hybrid.loop.forward_checks import probe_loss, probe_loss_by_sequence
 
