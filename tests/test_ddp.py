@@ -7,6 +7,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 from .two_ranks import run_two_ranks
 
 HERE = Path(__file__).parent
@@ -28,6 +30,18 @@ def test_two_process_ddp_ranks_identical_after_predict(tmp_path):
     assert ranks[0]["after_predict"] == ranks[1]["after_predict"]
     assert ranks[0]["final"] == ranks[1]["final"]
     assert ranks[0]["stats"] == ranks[1]["stats"]
+
+
+@pytest.mark.parametrize("kind", ["sft", "dpo"])
+def test_trls_trainers_under_ddp_keep_ranks_identical_and_count_only_training_tokens(tmp_path, kind):
+    # TRL gathers its token count and metrics across ranks inside compute_loss, a collective the hybrid's readings
+    # also reach on every rank: the ranks must stay in step, and the logged count be the plain TRL trainer's.
+    pytest.importorskip("trl")
+    ranks = launch_two_ranks("ddp_trl_worker.py", tmp_path, kind)
+    plain, hybrid = ranks[0]["False"], ranks[0]["True"]
+    assert hybrid["world_size"] == 2 and hybrid["stats"]["lr_readings"] >= 1
+    assert hybrid["tokens"] == plain["tokens"] and len(plain["tokens"]) == 6
+    assert ranks[0] == ranks[1]  # every rank: the same weights, statistics and counts, plain and hybrid
 
 
 def test_two_process_ddp_ranks_take_the_same_guard_decisions(tmp_path):
