@@ -13,7 +13,8 @@ one reason:
 - `_save_optimizer_and_scheduler` / `_load_optimizer_and_scheduler`: they run on every rank, so the hybrid state is
   saved and restored beside the optimizer's (checkpoint.py: replicated tensors once per job);
 - `_load_rng_state`: the checkpoint's RNG already holds the DataLoader seed draws that loop/epoch_seed.py defers;
-- `log`: to merge the `hybrid/...` metrics into the Trainer's logs, so every `report_to` gets them;
+- `log`: to merge the `hybrid/...` metrics into the Trainer's logs, so every `report_to` gets them, and the
+  updates that count (`hybrid/updates`) into an evaluation's too;
 - `train`: a run the guard stopped raises `GuardStoppedError` once the Trainer has finished its bookkeeping.
 The other loop points come through a callback placed first in line, so that a rolled-back step is made up before
 `DefaultFlowCallback` decides whether to stop; one right after it keeps saves and evaluations on the counted steps.
@@ -39,10 +40,10 @@ from .jumps.controller import Phase
 from .jumps.engine import HybridEngine
 from .jumps.lr_advice import jump_advice
 from .jumps.predict_step import predict_training_step
+from .jumps.setup import build_engine
 from .launch import check_run_supported
 from .loop.seam import StepLosses, mean_across_ranks
 from .loop.step_veto import CountedStepSchedule, StepVeto
-from .memory.placement import CopyPlacement
 from .memory.vram import EmergencyCheckpointCallback, VramMonitor
 from .trace import StepTrace
 from .trl_logs import TrlLogsKept
@@ -204,14 +205,6 @@ class HybridMixin(TrlLogsKept):
                                           self.current_learning_rate())
         self.step_veto.show_phase(next_phase.value)
 
-    def _build_engine(self) -> HybridEngine:
-        # Parameters of the prepared model: under FSDP2 these are the DTensors that hold the local shards.
-        params = [p for p in self.model_wrapped.parameters() if p.requires_grad]
-        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
-        placement = CopyPlacement(self.hybrid_config.device_copies_share, announce=self.args.local_process_index == 0)
-        return HybridEngine(self.hybrid_config.jumps, params, optimizer, seed=self.args.seed,
-                            accumulation=self.args.gradient_accumulation_steps, placement=placement)
-
     def _stateful_parts(self) -> dict[str, Stateful]:
         """The parts of this train() call whose state a checkpoint carries, by their key in it."""
         parts = {"engine": self._hybrid, "guard": self._guard_loop, "lr_autopilot": self._lr_autopilot}
@@ -234,7 +227,7 @@ class HybridMixin(TrlLogsKept):
     def _hybrid_train_begin(self, train_dataloader: torch.utils.data.DataLoader | None) -> None:
         # The model and optimizer are prepared by now; each train() call builds the engine anew, before any file
         # is touched, so a setup error (no trainable parameter, an optimizer the predictor can't read) leaves none.
-        self._hybrid = self._build_engine()
+        self._hybrid = build_engine(self)
         self._guard_loop = GuardAtLoop(self) if self.hybrid_config.guard.enabled else None
         self._lr_autopilot = build_autopilot(self, self._guard_loop)
         if self._hybrid_pending_state is not None:
@@ -261,12 +254,15 @@ class HybridMixin(TrlLogsKept):
             self._vram.shutdown()
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if self._hybrid is not None and not any(k.startswith("eval_") for k in logs):
-            guard = self._guard_loop.guard.log_metrics() if self._guard_loop is not None else {}
-            autopilot = self._lr_autopilot.log_metrics() if self._lr_autopilot is not None else {}
-            logs = {**logs, **self._hybrid.log_metrics(), **guard, **autopilot}
-            if self._vram is not None:
-                logs.update(self._vram.metrics())
+        if self._hybrid is not None:
+            # Every log, an evaluation's too, carries the updates that count: the step axis a plain run's logs share.
+            logs = {**logs, "hybrid/updates": float(self._hybrid.counted_updates(self.state.global_step))}
+            if not any(k.startswith("eval_") for k in logs):
+                guard = self._guard_loop.guard.log_metrics() if self._guard_loop is not None else {}
+                autopilot = self._lr_autopilot.log_metrics() if self._lr_autopilot is not None else {}
+                logs = {**logs, **self._hybrid.log_metrics(), **guard, **autopilot}
+                if self._vram is not None:
+                    logs.update(self._vram.metrics())
         super().log(logs, start_time)
 
     # ---- checkpoints --------------------------------------------------------------------------------

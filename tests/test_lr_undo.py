@@ -108,6 +108,12 @@ def test_an_undone_raise_gives_its_batches_back_so_the_run_stays_on_the_trainers
     plain.train()
     assert hybrid.state.global_step > plain.state.global_step == 100
     assert_bit_identical(state(plain.model), state(hybrid.model))
+    # Logged against the updates that count, the evaluations are the Trainer's, step for step; one taken inside a trial
+    # that was then undone is taken again at the same count, and that later one stands.
+    evals = [[h for h in run.state.log_history if "eval_loss" in h] for run in (plain, hybrid)]
+    assert len(evals[1]) > len(evals[0]) == 15 and any(h["step"] != h["hybrid/updates"] for h in evals[1])
+    by_updates = {h["hybrid/updates"]: h["eval_loss"] for h in evals[1]}
+    assert by_updates == {float(h["step"]): h["eval_loss"] for h in evals[0]}
 
 
 def test_a_run_resumed_during_a_trial_that_is_then_undone_replays_the_same_batches(tmp_path, monkeypatch):

@@ -11,6 +11,7 @@ from transformers import TrainerCallback
 
 from hf_hybrid import Phase
 from hf_hybrid.jumps.engine import StepRecord
+from hf_hybrid.jumps.setup import build_engine
 
 from .conftest import flat_params, make_trainer, reject_every_jump, tiny_gpt2, token_dataset
 from .test_predict import StepRecorder, train_recorded
@@ -142,7 +143,7 @@ def test_repeated_rejections_retire_prediction_and_give_back_its_buffers(tmp_pat
     assert engine.predictor.velocity == [] and engine.snapshot.tensors is None and engine._before_step is None
     real_steps = sum(1 for r in rows if r["phase"] is not Phase.PREDICT)
     assert engine.dynamics.steps < real_steps - 30  # it stopped observing at the retirement
-    resumed = trainer._build_engine()
+    resumed = build_engine(trainer)
     resumed.load_state_dict(engine.state_dict())
     assert resumed.controller.retired and resumed.predictor.velocity == []
     # A first Correct step vetoed by a NaN under the fp16 GradScaler still calls the pre-step hook: it must not

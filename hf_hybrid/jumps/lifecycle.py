@@ -46,6 +46,11 @@ class JumpLifecycle:
     undone_steps: int
     made_up_steps: int
 
+    def counted_updates(self, global_step: int) -> int:
+        """The updates that count by `global_step`, as `max_steps` counts them: the Trainer's step count less the
+        steps made up for rolled-back jumps, undone raises and skipped steps. A plain run's logs share this axis."""
+        return global_step - self.made_up_steps
+
     @property
     def jump_open(self) -> bool:
         """Whether a jump was made and awaits its verdict: its undo copy is held until then."""

@@ -143,7 +143,7 @@ class CountedStepSchedule(TrainerCallback):
         engine = self.engine_of()
         if engine is None or control.should_training_stop or state.global_step >= state.max_steps:
             return
-        counted = state.global_step - engine.made_up_steps
+        counted = engine.counted_updates(state.global_step)
         every = state.save_steps
         if args.save_strategy == SaveStrategy.STEPS and every:
             if state.global_step % every == 0:  # DefaultFlowCallback's own reason to save
