@@ -1,23 +1,29 @@
-"""What the hybrid runs under: it refuses DeepSpeed and trainers that build their batches in `_prepare_inputs` (TRL's
-GRPO, RLOO and distillation trainers), and says so when FSDP was asked for but not given."""
+"""What the hybrid runs with on a given run: it refuses DeepSpeed, says so when FSDP was asked for but not given, and
+runs trainers that build their batches in `_prepare_inputs` (TRL's GRPO, RLOO and distillation trainers) with the
+non-finite step veto alone."""
 
 from __future__ import annotations
 
 import os
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from transformers import Trainer
 from transformers.utils import logging
 
+if TYPE_CHECKING:
+    from .config import HybridConfig
+
 logger = logging.get_logger(__name__)
 
 
-def check_run_supported(trainer: Trainer) -> None:
-    """Raise, in one line, where the hybrid cannot act on this run; warn where it acts on less than was asked."""
-    check_batches_are_data(trainer)
+def run_settings(trainer: Trainer, config: HybridConfig) -> HybridConfig:
+    """The settings the hybrid runs `trainer` with: `config`, less what the run cannot have (said in one line). Raises,
+    in one line, where the hybrid cannot act on the run at all."""
     if trainer.is_deepspeed_enabled:
-        config = trainer.args.deepspeed or os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or "the accelerate config"
+        source = trainer.args.deepspeed or os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or "the accelerate config"
         raise ValueError(
-            f"hf_hybrid does not support DeepSpeed yet (config: {config}): DeepSpeed owns the optimizer step and "
+            f"hf_hybrid does not support DeepSpeed yet (config: {source}): DeepSpeed owns the optimizer step and "
             "the fp32 master weights, so a predicted delta would be silently overwritten. Launch with DDP or "
             "FSDP2 (recipes/accelerate/), or pass --hybrid false."
         )
@@ -28,21 +34,30 @@ def check_run_supported(trainer: Trainer) -> None:
             "FSDP was requested but accelerate is not running FSDP (on CPU it falls back to DDP); "
             "hf_hybrid will treat parameters as full, replicated tensors."
         )
+    return non_finite_veto_only(trainer, config) if builds_its_batches(trainer) else config
 
 
-def check_batches_are_data(trainer: Trainer) -> None:
-    """The hybrid prepares a batch it reads again (the autopilot's probe, a jump's probe, the guard's re-run of the
-    last accepted step) with the trainer's `_prepare_inputs`, as `Trainer.training_step` does. A trainer that overrides
-    it may build the batch there: TRL's online trainers generate completions and score them, and keep a buffer and a
-    step count. Each extra call would then generate again, draw from the RNG and move the buffer, so the run would
-    train on other completions than the plain trainer's even where the hybrid keeps nothing; and the RL trainers' loss
-    is a policy-gradient surrogate, not a measure of progress that a probe or the guard could judge."""
-    prepare = type(trainer)._prepare_inputs
-    if prepare is Trainer._prepare_inputs:
-        return
-    owner = prepare.__qualname__.split(".")[0]
-    raise ValueError(
-        f"hf_hybrid does not support {owner}: it overrides Trainer._prepare_inputs (TRL's GRPO, RLOO and "
-        "distillation trainers generate completions there), which the hybrid's probes and the guard would call again "
-        f"on a batch they re-read, changing the run. Use {owner} itself, or pass --hybrid false."
-    )
+def builds_its_batches(trainer: Trainer) -> bool:
+    """Whether the trainer overrides `Trainer._prepare_inputs`, with which the hybrid prepares a batch it reads again
+    (the autopilot's probe, a jump's probe, the guard's re-run of the last accepted step), as `Trainer.training_step`
+    does. An override may build the batch there: TRL's online trainers generate completions and score them, and keep
+    a buffer and a step count, so each extra call would generate again, draw from the RNG and move the buffer, and the
+    run would train on other completions than the plain trainer's even where the hybrid keeps nothing."""
+    return type(trainer)._prepare_inputs is not Trainer._prepare_inputs
+
+
+def non_finite_veto_only(trainer: Trainer, config: HybridConfig) -> HybridConfig:
+    """A trainer that builds its batches runs with the autopilot, the jumps and the guard's checks off (their probes
+    and re-runs prepare batches again; and an RL trainer's loss is a policy-gradient surrogate, which no probe or loss
+    bound can judge), and the veto of a step whose loss or gradient is not finite on: such a step never reaches the
+    weights, where the plain trainer's would leave them NaN."""
+    if trainer.args.process_index == 0:
+        owner = type(trainer)._prepare_inputs.__qualname__.split(".")[0]
+        logger.warning(
+            f"hf_hybrid: {owner} builds its batches in _prepare_inputs (TRL's GRPO, RLOO and distillation trainers "
+            "generate completions there), which the hybrid's probes would build again: the learning-rate autopilot, "
+            "the jumps and the guard's checks are off for this run; a step whose loss or gradient is not finite is "
+            "still skipped."
+        )
+    return replace(config, jumps=replace(config.jumps, predict=False), guard=replace(config.guard, enabled=False),
+                   autopilot=replace(config.autopilot, enabled=False))

@@ -41,7 +41,7 @@ from .jumps.engine import HybridEngine
 from .jumps.lr_advice import jump_advice
 from .jumps.predict_step import predict_training_step
 from .jumps.setup import build_engine
-from .launch import check_run_supported
+from .launch import run_settings
 from .loop.seam import StepLosses, mean_across_ranks
 from .loop.step_veto import CountedStepSchedule, StepVeto
 from .memory.vram import EmergencyCheckpointCallback, VramMonitor
@@ -97,7 +97,7 @@ class HybridMixin(TrlLogsKept):
         self._jump_clock = JumpClock(self)
         if not self.hybrid_config.enabled:
             return
-        check_run_supported(self)
+        self.hybrid_config = run_settings(self, self.hybrid_config)
         if (ignored := ignored_flags(self.args)) and self.args.process_index == 0:
             logger.warning(f"hf_hybrid: --hybrid_predictor {self.hybrid_config.jumps.predictor.name} does not read "
                            f"{', '.join('--' + f for f in ignored)}: they have no effect on this run.")

@@ -1,7 +1,7 @@
 """TRL's trainers with hybrid phases, one import away: `HybridSFTTrainer` / `HybridSFTConfig` for supervised
 fine-tuning, `HybridDPOTrainer` / `HybridDPOConfig` and `HybridKTOTrainer` / `HybridKTOConfig` for preference tuning,
-and `HybridRewardTrainer` / `HybridRewardConfig` for reward models. TRL's online trainers (GRPO, RLOO) are refused at
-start (launch.py says why).
+and `HybridRewardTrainer` / `HybridRewardConfig` for reward models. TRL's online trainers (GRPO, RLOO) are not paired
+here: through the mixin they get the non-finite step veto alone (launch.py says why).
 
 Imported lazily by `hf_hybrid` (only TRL users pay for importing TRL); without TRL installed, importing any of them
 names the package to install.
