@@ -42,6 +42,7 @@ from .jumps.lr_advice import jump_advice
 from .jumps.predict_step import predict_training_step
 from .jumps.setup import build_engine
 from .launch import run_settings
+from .loop.divergence import non_finite
 from .loop.seam import StepLosses, mean_across_ranks
 from .loop.step_veto import CountedStepSchedule, StepVeto
 from .memory.vram import EmergencyCheckpointCallback, VramMonitor
@@ -159,7 +160,7 @@ class HybridMixin(TrlLogsKept):
         guard = self._guard_loop
         guard_vetoes = guard is not None and guard.vetoes(model, loss, norm)
         if guard_vetoes or engine.check_real_step(loss, norm, self.current_learning_rate()):
-            self.step_veto.veto_real_step()
+            self.step_veto.veto_real_step(not_finite=None if guard_vetoes else non_finite(loss, norm))
         else:
             cycle_started = engine.start_cycle(guard.make_room_for_anchor if guard is not None else None)
             if guard is not None:

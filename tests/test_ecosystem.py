@@ -297,7 +297,7 @@ def test_trainers_that_generate_their_batches_run_as_trls_own_with_the_non_finit
     assert f"{kind}Trainer builds its batches" in line and "autopilot, the jumps and the guard's checks are off" in line
 
 
-def test_a_non_finite_step_leaves_a_grpo_run_finite_where_grpo_trainer_ends_at_nan(tmp_path):
+def test_a_non_finite_step_leaves_a_grpo_run_finite_where_grpo_trainer_ends_at_nan(tmp_path, caplog):
     plain = _online_run(tmp_path, "GRPO", mixin=False, max_steps=8)
     _not_finite_at_training_forward(plain, 3)
     with pytest.raises(RuntimeError, match="probability tensor contains"):  # its next generation samples from NaN
@@ -305,7 +305,9 @@ def test_a_non_finite_step_leaves_a_grpo_run_finite_where_grpo_trainer_ends_at_n
     assert not torch.isfinite(flat_params(plain.model)).all()
     hybrid = _online_run(tmp_path, "GRPO", mixin=True, max_steps=8)
     _not_finite_at_training_forward(hybrid, 3)
-    hybrid.train()
+    with caplog.at_level("WARNING"):
+        hybrid.train()
+    assert "hf_hybrid: step 3: its loss is not finite: skipped the step; its batch is dropped." in caplog.text
     stats = hybrid.hybrid_stats()
     assert torch.isfinite(flat_params(hybrid.model)).all()
     assert stats["non_finite"] == stats["skipped_steps"] == 1 and stats["backward_steps"] == 9  # the step made up

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+import pytest
 import torch
 from transformers import TrainerCallback
 
@@ -82,10 +83,15 @@ def nan_model(at_grad=(), at_no_grad=()):
     return model
 
 
-def test_nan_on_real_steps_is_skipped_and_counted(tmp_out):
+@pytest.mark.parametrize("guard", [True, False])
+def test_nan_on_real_steps_is_skipped_and_counted(tmp_out, guard, caplog):
     model = nan_model(at_grad=(3, 9, 17))  # warmup, full and later real steps
-    trainer = make_trainer(tmp_out, model=model)
-    trainer.train()
+    trainer = make_trainer(tmp_out, model=model, hybrid_guard=guard)
+    with caplog.at_level("WARNING"):
+        trainer.train()
+    # One line a skipped step: the guard's where it is on, the veto's own where it is off.
+    said = "non-finite loss nan: skipped the step" if guard else "its loss is not finite: skipped the step"
+    assert caplog.text.count(said) == 3
     stats = trainer.hybrid_stats()
     assert stats["skipped_steps"] == 3 and stats["non_finite"] == 3
     assert all(torch.isfinite(p).all() for p in model.parameters())

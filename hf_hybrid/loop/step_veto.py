@@ -61,11 +61,16 @@ class StepVeto:
             return
         accelerator.gradient_state._set_sync_gradients(False)
 
-    def veto_real_step(self) -> None:
+    def veto_real_step(self, not_finite: str | None = None) -> None:
         """A real step's update is refused after its backward: at its end it neither counts nor advances the
-        schedule."""
+        schedule. `not_finite`: the step's number that was not finite ("loss", "grad_norm") where no other part says
+        so (the guard is off): one line says the step was skipped."""
         self.skipped_schedule = self.schedule_state()
         self.veto(predict_step=False)
+        if not_finite is not None and self.trainer.is_world_process_zero():
+            step = self.trainer.state.global_step + 1
+            logger.warning(f"hf_hybrid: step {step}: its {not_finite} is not finite: skipped the step; its batch is "
+                           "dropped.")
 
     def make_up(self, steps: int, schedule: dict | None) -> None:
         """`steps` optimizer steps were undone or vetoed: they are trained again (their batches are replayed), so
