@@ -11,6 +11,7 @@ from .scale import LrScale
 
 if TYPE_CHECKING:
     from ..config import HybridConfig
+    from ..jumps.lr_advice import AutopilotUse
     from ..loop.seam import HybridTrainer
 
 
@@ -23,7 +24,7 @@ def lr_autopilot_missing(config: HybridConfig) -> list[str] | None:
                                  "--hybrid_guard_snapshot_steps > 0"]
 
 
-def autopilot_use(config: HybridConfig, autopilot: object | None) -> str:
+def autopilot_use(config: HybridConfig, autopilot: object | None) -> AutopilotUse:
     """For the end lines (jumps/lr_advice.py): "on" where the run has an autopilot, "unavailable" where the flag asked
     for one and the run lacked what it needs, "off" where the flag turned it off."""
     return "on" if autopilot is not None else "unavailable" if lr_autopilot_missing(config) is not None else "off"
