@@ -281,9 +281,9 @@ def _not_finite_at_training_forward(trainer, call: int) -> None:
 
 @pytest.mark.parametrize("kind", ["GRPO", "RLOO"])
 def test_trainers_that_generate_their_batches_run_as_trls_own_with_the_non_finite_veto(tmp_path, kind, caplog):
-    # The probe and the guard's re-run call _prepare_inputs again, which here generates again: with the autopilot on
-    # and nothing raised, a GRPO run trained on other completions than GRPOTrainer's. So the hybrid keeps only the veto
-    # of a non-finite step, and with nothing to veto the run is TRL's own, bit for bit.
+    # The probe and the guard's re-run would call _prepare_inputs again, which here generates: with the full hybrid a
+    # run would train on other completions than TRL's trainer even where nothing is kept. So the hybrid keeps only the
+    # veto of a non-finite step, and with nothing to veto the run is TRL's own, bit for bit.
     weights = []
     for mixin in (False, True):
         with caplog.at_level("WARNING"):
