@@ -1,6 +1,7 @@
-"""What the hybrid runs with on a given run: it refuses DeepSpeed, says so when FSDP was asked for but not given, and
-runs trainers that build their batches in `_prepare_inputs` (TRL's GRPO, RLOO and distillation trainers) with the
-non-finite step veto alone."""
+"""What the hybrid runs with on a given run: it refuses DeepSpeed, says so when FSDP was asked for but not given, runs
+trainers that build their batches in `_prepare_inputs` (TRL's GRPO, RLOO and distillation trainers) with the
+non-finite step veto alone, and stops in one line, at the first step, a trainer whose batches reach `training_step`
+with no tensor."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+import torch
 from transformers import Trainer
 from transformers.utils import logging
 
@@ -61,3 +63,19 @@ def non_finite_veto_only(trainer: Trainer, config: HybridConfig) -> HybridConfig
         )
     return replace(config, jumps=replace(config.jumps, predict=False), guard=replace(config.guard, enabled=False),
                    autopilot=replace(config.autopilot, enabled=False))
+
+
+def check_batch_is_data(trainer: Trainer, inputs: object) -> None:
+    """At a step's first micro-batch, where a part re-reads batches as they reach `training_step` (the autopilot's
+    probe, a jump's probe, the guard's re-run): a batch that holds no tensor there is built inside the trainer's own
+    `training_step` (TRL's online DPO generates its completions there from prompts), and none of them could take a loss
+    on it. Raised before the first update, in one line, rather than at the first reading."""
+    config = trainer.hybrid_config
+    rereads = config.autopilot.enabled or config.jumps.predict or config.guard.enabled
+    if rereads and isinstance(inputs, dict) and not any(isinstance(v, torch.Tensor) for v in inputs.values()):
+        raise ValueError(
+            f"hf_hybrid: {type(trainer).__name__}'s batches reach training_step with no tensor (it builds them there, "
+            "as TRL's online DPO generates completions from prompts), so the hybrid's probes and the guard's re-run "
+            "cannot take a loss on them. Pass --hybrid_lr_autopilot false --hybrid_predict false --hybrid_guard false "
+            "to keep the veto of a non-finite step alone, or --hybrid false."
+        )

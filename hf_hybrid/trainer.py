@@ -41,7 +41,7 @@ from .jumps.engine import HybridEngine
 from .jumps.lr_advice import jump_advice
 from .jumps.predict_step import predict_training_step
 from .jumps.setup import build_engine
-from .launch import run_settings
+from .launch import check_batch_is_data, run_settings
 from .loop.divergence import non_finite
 from .loop.seam import StepLosses, mean_across_ranks
 from .loop.step_veto import CountedStepSchedule, StepVeto
@@ -131,6 +131,7 @@ class HybridMixin(TrlLogsKept):
             return super().training_step(model, inputs, num_items_in_batch)
         first_micro_batch = engine.record is None
         if first_micro_batch:
+            check_batch_is_data(self, inputs)
             engine.begin_step(self.state.global_step)
             if engine.starts_prediction:
                 engine.schedule_at_jump = self.step_veto.schedule_state()

@@ -20,6 +20,7 @@ from transformers import (
     Seq2SeqTrainingArguments,
     T5Config,
     T5ForConditionalGeneration,
+    Trainer,
     TrainerCallback,
 )
 
@@ -311,6 +312,48 @@ def test_a_non_finite_step_leaves_a_grpo_run_finite_where_grpo_trainer_ends_at_n
     stats = hybrid.hybrid_stats()
     assert torch.isfinite(flat_params(hybrid.model)).all()
     assert stats["non_finite"] == stats["skipped_steps"] == 1 and stats["backward_steps"] == 9  # the step made up
+
+
+class _TokenizesInTrainingStep(Trainer):
+    """Builds each batch inside its own training_step from the texts the collator hands it, as TRL's online DPO
+    generates from prompts there: the batch reaching training_step holds no tensor."""
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        ids = torch.tensor([[(len(text) + k) % 64 for k in range(16)] for text in inputs["text"]])
+        return super().training_step(model, {"input_ids": ids, "labels": ids}, num_items_in_batch)
+
+
+class _HybridTokenizesInTrainingStep(HybridMixin, _TokenizesInTrainingStep):
+    pass
+
+
+def _texts_run(tmp_path, trainer_class, **overrides):
+    texts = Dataset.from_dict({"text": [f"line {i} " * (i % 7 + 1) for i in range(64)]})
+    args = hybrid_args(tmp_path / trainer_class.__name__, max_steps=12, remove_unused_columns=False, **overrides)
+    return trainer_class(model=tiny_gpt2(), args=args, train_dataset=texts,
+                         data_collator=lambda rows: {"text": [row["text"] for row in rows]})
+
+
+def test_batches_built_inside_training_step_stop_the_run_in_one_line_before_any_update(tmp_path):
+    # The probes and the guard's re-run take the batch as it reaches training_step: here, texts they cannot take a
+    # loss on. Unchecked, the run would fail at the autopilot's first reading, in GPT-2's forward.
+    trainer = _texts_run(tmp_path, _HybridTokenizesInTrainingStep)
+    before = flat_params(trainer.model).clone()
+    with pytest.raises(ValueError) as info:
+        trainer.train()
+    message = str(info.value)
+    assert "\n" not in message
+    assert "_HybridTokenizesInTrainingStep's batches reach training_step with no tensor" in message
+    assert "--hybrid_lr_autopilot false --hybrid_predict false --hybrid_guard false" in message
+    assert torch.equal(flat_params(trainer.model), before)
+    # With the flags it names, the run is the plain subclass's, bit for bit.
+    off = dict(hybrid_lr_autopilot=False, hybrid_predict=False, hybrid_guard=False)
+    weights = []
+    for trainer_class, flags in ((_TokenizesInTrainingStep, {}), (_HybridTokenizesInTrainingStep, off)):
+        run = _texts_run(tmp_path, trainer_class, **flags)
+        run.train()
+        weights.append(flat_params(run.model))
+    assert torch.equal(*weights) and not torch.equal(weights[0], before)
 
 
 # ---- any other Trainer subclass ------------------------------------------------------------------------
