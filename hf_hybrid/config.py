@@ -82,9 +82,10 @@ class HybridTrainingArguments(TrainingArguments):
             it has decayed below half its peak, in the last 10 steps, or before the third reading after a step the
             guard flagged; a guard rollback halves a raised scale. Where the schedule has no decay of its own
             (constant), a raised scale returns to 1 over the run's last fifth, and no raise starts in the 10 steps
-            before that. Needs the guard's snapshots, an Adam-family optimizer and a schedule that scales with its
-            base learning rate, a `LambdaLR` (every named schedule but `reduce_lr_on_plateau`; a scheduler passed in
-            `optimizers` must be one too). `False` keeps `--learning_rate` exactly.
+            before that. Needs the guard's snapshots, torch's Adam or AdamW without amsgrad (every `adamw_torch*`
+            optim; not schedule-free AdamW, Prodigy or Mechanic) and a schedule that scales with its base learning
+            rate, a `LambdaLR` (every named schedule but `reduce_lr_on_plateau`; a scheduler passed in `optimizers`
+            must be one too). `False` keeps `--learning_rate` exactly.
         hybrid_monitor_interval (`int`, defaults to `1`):
             Run a forward pass to check the loss on every N-th predicted step (and always on a phase's last);
             skipped steps cost almost nothing but are unchecked until the next check.

@@ -63,11 +63,11 @@ def test_few_verdicts_are_no_evidence():
 def test_rolled_back_jumps_call_the_weights_the_trainers_only_when_nothing_else_moved_them():
     stats = {"predictions_judged": 1, "predictions_kept": 0, "turns_passed": 0, "backward_steps": 100, "lr_scale": 1.0,
              "guard_outliers": 0, "guard_rollbacks": 0}
-    assert jump_advice(stats, 5e-5) == ["hf_hybrid: all 1 jumps were rolled back, so these weights are the plain "
+    assert jump_advice(stats, 5e-5) == ["hf_hybrid: the jump was rolled back, so these weights are the plain "
                                         "Trainer's steps."]
     # A kept raise of the learning rate (the autopilot's line says so) or a step the guard flagged: not the Trainer's.
     for moved in ({"lr_scale": 10.0}, {"guard_outliers": 2}, {"guard_rollbacks": 1}):
-        assert jump_advice({**stats, **moved}, 5e-5) == ["hf_hybrid: all 1 jumps were rolled back."]
+        assert jump_advice({**stats, **moved}, 5e-5) == ["hf_hybrid: the jump was rolled back."]
 
 
 def test_the_jump_line_says_the_weights_are_the_trainers_only_where_every_jump_was_undone_and_nothing_else_moved():

@@ -8,10 +8,11 @@ import math
 
 import pytest
 import torch
+from accelerate.optimizer import AcceleratedOptimizer
 from transformers import TrainerCallback
 
 from hf_hybrid import HybridHFTrainer
-from hf_hybrid.autopilot.line import SPACING
+from hf_hybrid.autopilot.line import SPACING, unreadable_optimizer
 from hf_hybrid.autopilot.verdict import raise_gain
 from hf_hybrid.loop.forward_checks import probe_loss, probe_loss_by_sequence
 from hf_hybrid.memory.snapshot import WeightSnapshot
@@ -121,12 +122,44 @@ def test_a_raise_is_undone_only_when_it_did_worse_by_more_than_the_noise(tmp_out
     assert autopilot._raise_paid(raised) is False and len(asked) == 1
 
 
-def test_with_an_optimizer_it_cannot_read_it_is_off_and_says_why(tmp_out, caplog):
+def other_optimizer(kind: str, model) -> torch.optim.Optimizer:
+    """Optimizers that keep Adam's hyperparameters (betas, eps) but do not step by Adam's formula alone."""
+    if kind == "prodigy":
+        from prodigyopt import Prodigy
+        return Prodigy(model.parameters(), lr=1.0)
+    if kind == "mechanic":
+        from mechanic_pytorch import mechanize
+        return mechanize(torch.optim.AdamW)(model.parameters(), lr=1e-4)
+    return torch.optim.AdamW(model.parameters(), lr=1e-4, amsgrad=True)
+
+
+@pytest.mark.parametrize("kind, name", [("sgd", "SGD"), ("schedule_free_adamw", "AdamWScheduleFree"),
+                                        ("prodigy", "Prodigy"), ("mechanic", "MechanizedAdamW"), ("amsgrad", "AdamW")])
+def test_with_an_optimizer_it_cannot_read_it_is_off_names_it_and_trains(tmp_out, caplog, kind, name):
+    """Schedule-free AdamW and Prodigy keep no Adam step count (the readings failed on them); Mechanic's multiplier
+    and amsgrad's maximum make another step than the one a reading would move along."""
+    settings = {**OUTER, "max_steps": 12, "learning_rate": 1e-4}
+    model, optimizers = tiny_gpt2(), (None, None)
+    if kind in ("sgd", "schedule_free_adamw"):
+        settings.update(optim=kind, lr_scheduler_type="constant")
+    else:
+        optimizers = (other_optimizer(kind, model), None)
     with caplog.at_level(logging.WARNING):
-        trainer = make_trainer(tmp_out, learning_rate=1e-4, optim="sgd", **{**OUTER, "max_steps": 12})
+        trainer = HybridHFTrainer(model=model, args=hybrid_args(tmp_out, **settings), train_dataset=token_dataset(),
+                                  optimizers=optimizers)
         trainer.train()
-    assert trainer._lr_autopilot is None
-    assert "it needs an Adam-family optimizer" in caplog.text
+    assert trainer._lr_autopilot is None and trainer.state.global_step >= 12
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert ("the learning-rate autopilot is off for this run: it needs torch's Adam or AdamW without amsgrad (every "
+            f"--optim adamw_torch*), whose next step it reads (this run's optimizer: {name})") in caplog.text
+
+
+def test_it_reads_every_form_of_torchs_adam_through_accelerates_wrapper():
+    params = [torch.nn.Parameter(torch.ones(3))]
+    for optimizer in (torch.optim.Adam(params), torch.optim.AdamW(params), torch.optim.AdamW(params, foreach=True),
+                      torch.optim.AdamW(params, fused=True)):
+        assert unreadable_optimizer(optimizer) is None
+        assert unreadable_optimizer(AcceleratedOptimizer(optimizer, device_placement=False)) is None
 
 
 def test_a_reading_that_judges_a_raise_reads_the_raised_weights_from_its_line(tmp_out, monkeypatch):

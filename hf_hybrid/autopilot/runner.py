@@ -27,7 +27,7 @@ from .alignment import LAST_STEP as ALIGNMENT_LAST_STEP
 from .alignment import StartAlignment
 from .cooldown import cooldown_start, cooled_scale
 from .end_line import RunEnd, end_line
-from .line import SPACING, adam_family, next_step_line
+from .line import SPACING, next_step_line, unreadable_optimizer
 from .ramp import RaiseRamp
 from .scale import LrScale
 from .setup import inner_scheduler, lr_autopilot_missing, unscalable_schedule
@@ -290,8 +290,8 @@ def build_autopilot(trainer: HybridTrainer, guard_loop: GuardAtLoop | None) -> L
         return None
     if reason := unscalable_schedule(trainer):
         missing.append(reason)
-    if not adam_family(trainer.optimizer):
-        missing.append("an Adam-family optimizer, whose next step it reads (autopilot/line.py)")
+    if reason := unreadable_optimizer(trainer.optimizer):
+        missing.append(reason)
     if missing:
         if trainer.is_world_process_zero():
             logger.warning(f"hf_hybrid: the learning-rate autopilot is off for this run: it needs "

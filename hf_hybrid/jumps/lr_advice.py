@@ -26,7 +26,8 @@ def jump_summary(stats: dict) -> str | None:
     if not judged:
         return f"hf_hybrid: no jump was tried; {held}." if passed else None
     if not kept:
-        line = f"hf_hybrid: all {judged} jumps were rolled back"
+        undone = f"all {judged} jumps were" if judged > 1 else "the jump was"
+        line = f"hf_hybrid: {undone} rolled back"
         # Only then are the weights the plain Trainer's: a kept raise of the learning rate or a step the guard flagged
         # moved them another way, and the autopilot's or the guard's own line says so.
         if stats["lr_scale"] == 1.0 and not stats["guard_outliers"] and not stats["guard_rollbacks"]:
