@@ -1,7 +1,7 @@
-"""What the hybrid runs with on a given run: it refuses DeepSpeed, says so when FSDP was asked for but not given, runs
-trainers that build their batches in `_prepare_inputs` (TRL's GRPO, RLOO and distillation trainers) with the
-non-finite step veto alone, and stops in one line, at the first step, a trainer whose batches reach `training_step`
-with no tensor."""
+"""What the hybrid runs with on a given run: it refuses DeepSpeed, says so when FSDP was asked for but not given or a
+flag set away from its default is one the active predictor does not read, runs trainers that build their batches in
+`_prepare_inputs` (TRL's GRPO, RLOO and distillation trainers) with the non-finite step veto alone, and stops in one
+line, at the first step, a trainer whose batches reach `training_step` with no tensor."""
 
 from __future__ import annotations
 
@@ -19,9 +19,10 @@ if TYPE_CHECKING:
 logger = logging.get_logger(__name__)
 
 
-def run_settings(trainer: Trainer, config: HybridConfig) -> HybridConfig:
+def run_settings(trainer: Trainer, config: HybridConfig, ignored: list[str]) -> HybridConfig:
     """The settings the hybrid runs `trainer` with: `config`, less what the run cannot have (said in one line). Raises,
-    in one line, where the hybrid cannot act on the run at all."""
+    in one line, where the hybrid cannot act on the run at all. `ignored`: the flags set that the active predictor
+    does not read (config.py's `ignored_flags`)."""
     if trainer.is_deepspeed_enabled:
         source = trainer.args.deepspeed or os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or "the accelerate config"
         raise ValueError(
@@ -36,6 +37,9 @@ def run_settings(trainer: Trainer, config: HybridConfig) -> HybridConfig:
             "FSDP was requested but accelerate is not running FSDP (on CPU it falls back to DDP); "
             "hf_hybrid will treat parameters as full, replicated tensors."
         )
+    if ignored and trainer.args.process_index == 0:
+        logger.warning(f"hf_hybrid: --hybrid_predictor {config.jumps.predictor.name} does not read "
+                       f"{', '.join('--' + f for f in ignored)}: they have no effect on this run.")
     return non_finite_veto_only(trainer, config) if builds_its_batches(trainer) else config
 
 

@@ -9,7 +9,8 @@ one reason:
   is applied at the first micro-batch of the optimizer step;
 - `_clip_grad_norm` / `_get_grad_norm`: the Trainer calls them on every optimizer step; on a step with no backward
   they must not touch the gradients (or the fp16 GradScaler's unscale bookkeeping), and on a real step the gradient
-  norm is where a NaN or an explosion is caught before the optimizer runs;
+  norm is where a NaN or an explosion is caught before the optimizer runs; `_track_num_input_tokens`: a Predict step's
+  batches are not trained on (a rolled-back jump's count when replayed), as TRL's own token count has it;
 - `_save_optimizer_and_scheduler` / `_load_optimizer_and_scheduler`: they run on every rank, so the hybrid state is
   saved and restored beside the optimizer's (checkpoint.py: replicated tensors once per job);
 - `_load_rng_state`: the checkpoint's RNG already holds the DataLoader seed draws that loop/epoch_seed.py defers;
@@ -98,10 +99,7 @@ class HybridMixin(TrlLogsKept):
         self._jump_clock = JumpClock(self)
         if not self.hybrid_config.enabled:
             return
-        self.hybrid_config = run_settings(self, self.hybrid_config)
-        if (ignored := ignored_flags(self.args)) and self.args.process_index == 0:
-            logger.warning(f"hf_hybrid: --hybrid_predictor {self.hybrid_config.jumps.predictor.name} does not read "
-                           f"{', '.join('--' + f for f in ignored)}: they have no effect on this run.")
+        self.hybrid_config = run_settings(self, self.hybrid_config, ignored_flags(self.args))
         # First in line: a rollback extends max_steps at the step's end, before DefaultFlowCallback decides to stop.
         self.callback_handler.callbacks.insert(0, _HybridStepHooks(self))
         CountedStepSchedule.install(self)
@@ -167,6 +165,10 @@ class HybridMixin(TrlLogsKept):
             if guard is not None:
                 guard.accepted(cycle_started)
         return grad_norm
+
+    def _track_num_input_tokens(self, inputs: dict) -> None:
+        if not self._hybrid_step_has_no_backward():
+            super()._track_num_input_tokens(inputs)
 
     def _hybrid_step_has_no_backward(self) -> bool:
         engine = self._hybrid

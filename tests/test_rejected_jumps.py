@@ -56,7 +56,8 @@ def test_after_rejected_jumps_training_is_the_trainers_bit_for_bit(tmp_path, mon
         return dataset.to_iterable_dataset(num_shards=1) if streamed else dataset
 
     plain = WeightsPerStep()
-    settings = dict(max_steps=100, lr_scheduler_type="linear")  # room for 28 more steps in the last epoch
+    # Room for 28 more steps in the last epoch. The Trainer's token count: a Predict step's batches count once trained.
+    settings = dict(max_steps=100, lr_scheduler_type="linear", include_num_input_tokens_seen=True)
     if evaluations:
         settings.update(eval_strategy="steps", eval_steps=10)
     evaluation = token_dataset(16, seed=1) if evaluations else None
@@ -81,6 +82,7 @@ def test_after_rejected_jumps_training_is_the_trainers_bit_for_bit(tmp_path, mon
     assert len(real) == stats["backward_steps"] == 100
     for n, params in enumerate(real):
         assert torch.equal(params, plain.params[n]), f"real step {n + 1} differs from the Trainer's"
+    assert trainer.state.num_input_tokens_seen == reference.state.num_input_tokens_seen == 100 * 8 * 16
 
 
 def test_a_jump_open_at_the_last_step_is_judged_there_and_made_up(tmp_path, monkeypatch):

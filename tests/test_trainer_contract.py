@@ -18,6 +18,7 @@ def test_overridden_trainer_methods_exist():
         "_save_optimizer_and_scheduler": ["self", "output_dir"],
         "_load_optimizer_and_scheduler": ["self", "checkpoint"],
         "log": ["self", "logs", "start_time"],
+        "_track_num_input_tokens": ["self", "inputs"],
         "_prepare_inputs": ["self", "inputs"],  # called, not overridden: the probes prepare batches with it
     }
     for name, params in expected.items():
@@ -29,5 +30,6 @@ def test_overridden_trainer_methods_exist():
 def test_loop_still_calls_the_hooks_we_rely_on():
     source = inspect.getsource(Trainer._run_epoch)
     for needle in ("self._clip_grad_norm(model)", "self._get_grad_norm(model", "on_pre_optimizer_step",
-                   "self.optimizer.step()", "on_optimizer_step", "_set_sync_gradients(do_sync_step)"):
+                   "self.optimizer.step()", "on_optimizer_step", "_set_sync_gradients(do_sync_step)",
+                   "self._track_num_input_tokens(inputs)"):
         assert needle in source, needle
