@@ -31,7 +31,7 @@ START, END = "<!-- results:start -->", "<!-- results:end -->"
 KINDS = ("from scratch", "full fine-tune", "LoRA", "classifier")
 HELD_OUT = ("fresh", "report")
 SUMMARY_HEADER = ("| at the LR a user types | settings (held out) | hybrid: speedup in updates (wall clock), median "
-                  "and range | the swept LR's speedup | G in updates / wall clock (held out only) | G ahead of "
+                  "and range | the swept LR's speedup | G in updates / wall clock: all (held out) | G ahead of "
                   "Mechanic; of Prodigy | never worse: highest final loss over the Trainer's (checks) |")
 CAPTION = (
     "Rendered by `scripts/render_readme.py` from the LR-autopilot survey's reports (`docs/survey/`), on a CPU: small "
