@@ -1,4 +1,4 @@
-"""The demo, `make demo`: the product in about three minutes on 2 CPU cores, ending on one summary screen.
+"""The demo, `make demo`: the product in about two minutes on 2 CPU cores, ending on one summary screen.
 
 1. The guard saving a run: the Trainer with injected faults (a window of random-label batches, a 100x learning-rate
    spike, a NaN loss) against HybridHFTrainer with the same faults, and a clean Trainer as the reference.
