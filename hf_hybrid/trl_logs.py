@@ -5,7 +5,7 @@ metrics (entropy and token accuracy, DPO's rewards and margins) in `compute_loss
 (`_metrics`). The hybrid's own forwards (the autopilot's readings along the next step, a jump's probe, the guard's
 re-run of the last accepted batch) go through the same `compute_loss`, on the probe batch or at weights training never
 took, so what they record there is taken back: a run's TRL metrics are those of its training steps alone. Neither
-attribute has a public way in; tests/test_ecosystem.py pins both on SFT and DPO.
+attribute has a public way in; tests/test_trl.py pins both on SFT, DPO, KTO and the reward model.
 """
 
 from __future__ import annotations

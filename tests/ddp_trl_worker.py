@@ -10,7 +10,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.ddp_worker import weights_hash  # noqa: E402
-from tests.test_ecosystem import _trl_run  # noqa: E402
+from tests.test_trl import _trl_run  # noqa: E402
 
 
 def main(out_dir: str, kind: str) -> None:
