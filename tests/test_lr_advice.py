@@ -83,3 +83,7 @@ def test_the_jump_line_says_the_weights_are_the_trainers_only_where_every_jump_w
                                     "steps.")
     for moved in ({"lr_scale": 2.0}, {"guard_outliers": 1}, {"guard_rollbacks": 1}):
         assert jump_summary({**undone, **moved}) == "hf_hybrid: all 3 jumps were rolled back."
+    one_kept = {**quiet, "predictions_judged": 1, "predictions_kept": 1, "jump_gain": 0.071, "jump_worth_steps": 3.2,
+                "backward_steps": 149}
+    assert jump_summary(one_kept) == ("hf_hybrid: the jump was kept; it gained 0.0710 probe loss, worth about 3 real "
+                                      "steps over 149 real steps.")

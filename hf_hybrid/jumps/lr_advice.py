@@ -33,9 +33,9 @@ def jump_summary(stats: dict) -> str | None:
         if stats["lr_scale"] == 1.0 and not stats["guard_outliers"] and not stats["guard_rollbacks"]:
             line += ", so these weights are the plain Trainer's steps"
     else:
-        line = (f"hf_hybrid: {kept} of {judged} jumps kept; together they gained {stats['jump_gain']:.4f} probe "
-                f"loss, worth about {stats['jump_worth_steps']:.0f} real steps over {stats['backward_steps']} real "
-                "steps")
+        kept_line = "the jump was kept; it" if judged == 1 else f"{kept} of {judged} jumps kept; together they"
+        line = (f"hf_hybrid: {kept_line} gained {stats['jump_gain']:.4f} probe loss, worth about "
+                f"{stats['jump_worth_steps']:.0f} real steps over {stats['backward_steps']} real steps")
     return f"{line}; {held}." if passed else f"{line}."
 
 
