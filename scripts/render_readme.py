@@ -36,9 +36,9 @@ SUMMARY_HEADER = ("| at the LR a user types | settings (held out) | hybrid: spee
 CAPTION = (
     "Rendered by `scripts/render_readme.py` from the LR-autopilot survey's reports (`docs/survey/`), on a CPU: small "
     "GPT-2s ({layers} layers; the fine-tunes start from a 2-layer one pretrained here on Shakespeare) on the shipped "
-    "corpora and torch's source, {updates} updates, {seeds}. Each setting runs at the LR a user types "
-    "(`TrainingArguments`' 5e-5 to fine-tune; from scratch a tenth of the swept LR, or 5e-5 where every other "
-    "argument is left at its default too) beside the plain Trainer at that LR and at the swept LR, the best of a "
+    "corpora and torch's source, {updates} updates, {seeds}. Each setting runs at the LR a user types, {below} below "
+    "its swept LR (`TrainingArguments`' 5e-5 to fine-tune; from scratch a tenth of the swept LR, or 5e-5 where every "
+    "other argument is left at its default too) beside the plain Trainer at that LR and at the swept LR, the best of a "
     "coarse grid. A speedup is the Trainer's updates to its own final held-out loss over the arm's; G is the log of "
     "the hybrid's speedup over the log of the swept LR's: the share of what a sweep buys that the hybrid recovers "
     "without one. Held out: settings written after the tuning ended, or set aside before it (Known limits says what "
@@ -95,7 +95,8 @@ def _kind_row(label: str, names: list[str], settings: dict, reports: Path, g: di
 
 def _summary(reports: Path) -> tuple[list[Row], dict[str, str]]:
     """README.md's rows (one per kind of run with current reports at the user's LR, then all of them), and the scope
-    of the settings behind them for the caption: their layers from scratch, their updates, their seeds."""
+    of the settings behind them for the caption: their layers from scratch, their updates, their seeds, and how far
+    below the swept LR the user's is."""
     settings = survey_settings({})
     g = {row["setting"]: row for row in g_rows(reports, "all")}
     seeds = {n: len(used) for n in settings if n in g and (used := current_user_reports(n, settings[n], reports))}
@@ -106,6 +107,9 @@ def _summary(reports: Path) -> tuple[list[Row], dict[str, str]]:
     scope = dict(layers=_span({settings[n]["model"]["n_layer"] for n in by_kind["from scratch"]}),
                  updates=_span({settings[n]["max_steps"] for n in seeds}))
     scope["seeds"] = "1 seed" if set(seeds.values()) == {1} else f"{_span(set(seeds.values()))} seeds"
+    below = {round(report["swept_learning_rate"] / report["learning_rate"]) for n in seeds
+             for _, report in current_user_reports(n, settings[n], reports)}
+    scope["below"] = f"{_span(below)}x"
     return rows, scope
 
 
