@@ -21,8 +21,8 @@ from .conftest import flat_params, hybrid_args, tiny_gpt2
 
 
 def _online_run(tmp_path, kind: str, mixin: bool, **overrides):
-    """A tiny GPT-2 through TRL's GRPO or RLOO trainer, which generates its completions in `_prepare_inputs`, as TRL's
-    own class or with the mixin (its config paired as `HybridSFTConfig` pairs SFT's)."""
+    """A tiny GPT-2 through TRL's GRPO, RLOO or (on-policy) distillation trainer, which generate their completions in
+    `_prepare_inputs`, as TRL's own class or with the mixin (its config paired as `HybridSFTConfig` pairs SFT's)."""
     trl = pytest.importorskip("trl")
     from hf_hybrid.data import load_shipped_tokenizer
 
@@ -34,13 +34,19 @@ def _online_run(tmp_path, kind: str, mixin: bool, **overrides):
     if mixin:
         config_class = dataclass(type(f"Hybrid{kind}Config", (config_class, HybridTrainingArguments), {}))
         trainer_class = type(f"Hybrid{kind}Trainer", (HybridMixin, trainer_class), {})
-    args = config_class(**{**dict(output_dir=str(tmp_path / f"{kind}-{mixin}"), per_device_train_batch_size=4,
-                                  num_generations=4, max_completion_length=6, max_steps=4, save_strategy="no",
-                                  report_to="none", use_cpu=True, disable_tqdm=True, seed=0, bf16=False,
-                                  learning_rate=1e-3, beta=0.0), **overrides})  # beta 0: no reference model to load
+    settings = dict(output_dir=str(tmp_path / f"{kind}-{mixin}"), per_device_train_batch_size=4,
+                    max_completion_length=6, max_steps=4, save_strategy="no", report_to="none", use_cpu=True,
+                    disable_tqdm=True, seed=0, bf16=False, learning_rate=1e-3)
     prompts = Dataset.from_list([{"prompt": f"{s} sat on"} for s in ("the cat", "the dog", "a king", "a fool")] * 4)
+    if kind == "Distillation":  # a teacher of the same shape, initialized apart
+        torch.manual_seed(1)
+        teacher = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_positions=32, n_embd=16, n_layer=1, n_head=2))
+        return trainer_class(model=model, teacher_model=teacher, args=config_class(**{**settings, **overrides}),
+                             train_dataset=prompts, processing_class=tokenizer)
+    settings.update(num_generations=4, beta=0.0)  # beta 0: no reference model to load
     return trainer_class(model=model, reward_funcs=lambda completions, **_: [float(len(c)) for c in completions],
-                         args=args, train_dataset=prompts, processing_class=tokenizer)
+                         args=config_class(**{**settings, **overrides}), train_dataset=prompts,
+                         processing_class=tokenizer)
 
 
 def _not_finite_at_training_forward(trainer, call: int) -> None:
@@ -57,7 +63,7 @@ def _not_finite_at_training_forward(trainer, call: int) -> None:
     trainer.model.transformer.ln_f.register_forward_hook(hook)
 
 
-@pytest.mark.parametrize("kind", ["GRPO", "RLOO"])
+@pytest.mark.parametrize("kind", ["GRPO", "RLOO", "Distillation"])
 def test_trainers_that_generate_their_batches_run_as_trls_own_with_the_non_finite_veto(tmp_path, kind, caplog):
     # The probe and the guard's re-run would call _prepare_inputs again, which here generates: with the full hybrid a
     # run would train on other completions than TRL's trainer even where nothing is kept. So the hybrid keeps only the
