@@ -43,7 +43,8 @@ CAPTION = (
     "the hybrid's speedup over the log of the swept LR's: the share of what a sweep buys that the hybrid recovers "
     "without one. Held out: settings written after the tuning ended, or set aside before it (Known limits says what "
     "was read from them). Never worse: the hybrid alone at every LR of the setting's grid from the user's to 3x the "
-    "swept, against the same seed's Trainer. Every setting, with each peer's figures: "
+    "swept, against the same seed's Trainer. Jumps: the hybrid's {runs} runs behind the table judged {judged} and kept "
+    "{kept}. Every setting, with each peer's figures: "
     "[docs/results.md](docs/results.md).")
 
 
@@ -95,8 +96,8 @@ def _kind_row(label: str, names: list[str], settings: dict, reports: Path, g: di
 
 def _summary(reports: Path) -> tuple[list[Row], dict[str, str]]:
     """README.md's rows (one per kind of run with current reports at the user's LR, then all of them), and the scope
-    of the settings behind them for the caption: their layers from scratch, their updates, their seeds, and how far
-    below the swept LR the user's is."""
+    of the settings behind them for the caption: their layers from scratch, their updates, their seeds, how far below
+    the swept LR the user's is, and the jumps the hybrid's runs judged and kept."""
     settings = survey_settings({})
     g = {row["setting"]: row for row in g_rows(reports, "all")}
     seeds = {n: len(used) for n in settings if n in g and (used := current_user_reports(n, settings[n], reports))}
@@ -107,9 +108,11 @@ def _summary(reports: Path) -> tuple[list[Row], dict[str, str]]:
     scope = dict(layers=_span({settings[n]["model"]["n_layer"] for n in by_kind["from scratch"]}),
                  updates=_span({settings[n]["max_steps"] for n in seeds}))
     scope["seeds"] = "1 seed" if set(seeds.values()) == {1} else f"{_span(set(seeds.values()))} seeds"
-    below = {round(report["swept_learning_rate"] / report["learning_rate"]) for n in seeds
-             for _, report in current_user_reports(n, settings[n], reports)}
-    scope["below"] = f"{_span(below)}x"
+    used = [report for n in seeds for _, report in current_user_reports(n, settings[n], reports)]
+    scope["below"] = f"{_span({round(r['swept_learning_rate'] / r['learning_rate']) for r in used})}x"
+    hybrid_runs = [run.get("hybrid_stats") or {} for r in used for run in r.get("hybrid", [])]
+    scope.update(runs=len(hybrid_runs), judged=sum(s.get("predictions_judged", 0) for s in hybrid_runs),
+                 kept=sum(s.get("predictions_kept", 0) for s in hybrid_runs))
     return rows, scope
 
 
