@@ -213,8 +213,11 @@ def _frozen_model():
     [
         (dict(model=_frozen_model), ["trainable"]),
         (dict(hybrid_predictor="adam", optim="sgd"), ["hybrid_predictor", "adam", "SGD", "velocity"]),
+        # Adam's hyperparameters but no first moment: the predictor read a zero step from it.
+        (dict(hybrid_predictor="adam", optim="schedule_free_adamw", lr_scheduler_type="constant"),
+         ["hybrid_predictor", "adam", "AdamWScheduleFree", "velocity"]),
     ],
-    ids=["no-trainable-params", "adam-predictor-with-sgd"],
+    ids=["no-trainable-params", "adam-predictor-with-sgd", "adam-predictor-with-schedule-free-adamw"],
 )
 def test_unsupported_setups_fail_in_one_line(tmp_path, overrides, needles):
     overrides = dict(overrides)

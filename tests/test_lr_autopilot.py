@@ -12,8 +12,9 @@ from accelerate.optimizer import AcceleratedOptimizer
 from transformers import TrainerCallback
 
 from hf_hybrid import HybridHFTrainer
-from hf_hybrid.autopilot.line import SPACING, unreadable_optimizer
+from hf_hybrid.autopilot.line import SPACING
 from hf_hybrid.autopilot.verdict import raise_gain
+from hf_hybrid.loop.adam_state import unreadable_optimizer
 from hf_hybrid.loop.forward_checks import probe_loss, probe_loss_by_sequence
 from hf_hybrid.memory.snapshot import WeightSnapshot
 

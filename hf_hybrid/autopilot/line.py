@@ -14,7 +14,6 @@ bit for bit. At a reading that also judges a raise, the first forward keeps each
 
 from __future__ import annotations
 
-import inspect
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,20 +29,6 @@ SPACING = 4.0  # c: the line is read at 0, 4 and 8 of today's steps, far enough 
 # On an accelerator, elements per multi-tensor list where the largest parameter is smaller: a move's two temporaries
 # stay at 64 MiB each in fp32 (at GPT-2's shapes the embedding is larger, and they are no larger than its copies).
 CHUNK_ELEMENTS = 2**24
-
-
-def unreadable_optimizer(optimizer: torch.optim.Optimizer) -> str | None:
-    """What the autopilot lacks in the optimizer, or None where it steps by torch's Adam (Adam and AdamW, fused,
-    foreach or not: every `--optim adamw_torch*`) without amsgrad, whose next step is read from its moments without a
-    gradient. Optimizers that keep Adam's hyperparameters but step otherwise are not read: schedule-free AdamW (it steps
-    from an average, with no first moment or step count), Prodigy (its step is scaled by an estimate of its own) and
-    Mechanic's wrapper (by its learned multiplier). `optimizer`: the optimizer or accelerate's wrapper around it."""
-    inner = getattr(optimizer, "optimizer", optimizer)
-    adam_step = inspect.unwrap(torch.optim.Adam.step)  # unwrapped: torch wraps each class's step in a profiling hook
-    if inspect.unwrap(type(inner).step) is adam_step and not any(g.get("amsgrad") for g in inner.param_groups):
-        return None
-    return (f"torch's Adam or AdamW without amsgrad (every --optim adamw_torch*), whose next step it reads (this run's "
-            f"optimizer: {type(inner).__name__})")
 
 
 def _step_groups(optimizer: torch.optim.Optimizer, lists: bool) -> list[tuple[dict, list[tuple[torch.Tensor, dict]]]]:

@@ -21,13 +21,14 @@ import torch
 from transformers.utils import logging
 
 from ..guard.runner import GuardAtLoop
+from ..loop.adam_state import unreadable_optimizer
 from ..loop.seam import HybridTrainer
 from ..memory.snapshot import WeightSnapshot
 from .alignment import LAST_STEP as ALIGNMENT_LAST_STEP
 from .alignment import StartAlignment
 from .cooldown import cooldown_start, cooled_scale
 from .end_line import RunEnd, end_line
-from .line import SPACING, next_step_line, unreadable_optimizer
+from .line import SPACING, next_step_line
 from .ramp import RaiseRamp
 from .scale import LrScale
 from .setup import inner_scheduler, lr_autopilot_missing, unscalable_schedule
@@ -78,8 +79,7 @@ class LrAutopilot:
         self.last_line: tuple[float, float, float] | None = None  # for the step trace
         self.last_verdict: tuple[float, float] | None = None  # a trial's (gain, noise), for the step trace
         guard_loop.raise_on_trial = lambda: self.scale.on_trial
-        # What the readings cost this process, for the end line: measured, since three forwards weigh a different
-        # share of a step in each setting (see READ_EVERY).
+        # What the readings cost this process, for the end line: measured, as their share of a step varies.
         self.readings_here, self.reading_seconds = 0, 0.0
         self.train_started = time.perf_counter()
 

@@ -3,7 +3,7 @@
 With no new gradient, the best guess of the next gradient is the momentum, so the predicted step is
 AdamW's: decoupled weight decay plus lr * m_hat / (sqrt(v_hat) + eps), using the optimizer's state
 and hyper-parameters. It needs no buffer of its own, which makes it the low-memory choice.
-It needs Adam-family state (`exp_avg`, `exp_avg_sq`); any other optimizer is refused at start.
+It needs torch's Adam or AdamW (loop/adam_state.py); any other optimizer is refused at start.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ...loop.adam_state import unreadable_optimizer
 from ...memory.shards import local_shard
 from .base import StepwisePredictor
 
@@ -30,11 +31,8 @@ class AdamPredictor(StepwisePredictor):
             raise ValueError(f"hybrid_predictor='adam': {len(missing)} trainable parameters are not in the optimizer, "
                              "whose moments it reads. Give the optimizer every trainable parameter, or use "
                              "--hybrid_predictor outer (the default).")
-        if not any(k in optimizer.defaults for k in ("betas",)):
-            raise ValueError(
-                f"hybrid_predictor='adam' needs an Adam-family optimizer (exp_avg/exp_avg_sq state); got "
-                f"{type(optimizer).__name__}. Use --hybrid_predictor velocity instead."
-            )
+        if reason := unreadable_optimizer(optimizer):
+            raise ValueError(f"hybrid_predictor='adam' needs {reason}. Use --hybrid_predictor velocity instead.")
 
     def direction(self, index: int, param: Tensor, lr: float) -> Tensor:
         p = self.params[index]
