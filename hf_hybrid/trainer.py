@@ -248,7 +248,7 @@ class HybridMixin(TrlLogsKept):
             self._hybrid.finish()
             autopilot, use = self._lr_autopilot, autopilot_use(self.hybrid_config, self._lr_autopilot)
             if self.is_world_process_zero():
-                lines = jump_advice(self.hybrid_stats(), self.args.learning_rate, use)
+                lines = [*jump_advice(self.hybrid_stats(), self.args.learning_rate, use), self.step_veto.end_line()]
                 for line in filter(None, [*lines, autopilot and autopilot.summary(), self._jump_clock.advice()]):
                     logger.warning(line)
         if self._hybrid_trace is not None:

@@ -116,8 +116,11 @@ def test_steps_that_cannot_be_made_up_are_reported(tmp_path, monkeypatch, caplog
     undone = trainer.hybrid_stats()["undone_steps"]
     assert undone > 0 and trainer.state.global_step == trainer.state.max_steps == 64
     assert trainer.hybrid_stats()["backward_steps"] == 64 - undone
-    assert "fewer real updates than the Trainer would" in caplog.text
-    assert sum(int(n) for n in re.findall(r"(\d+) optimizer steps undone", caplog.text)) == undone
+    # One line at the first step lost, and the total at the end where more followed (one per rollback before).
+    assert caplog.text.count("cannot be made up") == 1 and "fewer real updates than the Trainer would" in caplog.text
+    first = int(re.search(r"(\d+) optimizer steps? undone or skipped \(", caplog.text).group(1))
+    total = re.findall(r"in all, (\d+) optimizer steps? undone or skipped could not be made up", caplog.text)
+    assert trainer.hybrid_stats()["rollbacks"] > 1 and first < undone and total == [str(undone)]
 
 
 def test_without_payoff_check_survived_jumps_undo_the_back_off(tmp_out, monkeypatch):

@@ -39,6 +39,8 @@ class StepVeto:
         self.trainer = trainer
         self.last_step: int | None = None  # the last step the Trainer's epochs can reach (None: no limit)
         self.skipped_schedule: dict | None = None  # the schedule before a vetoed real step, given back at its end
+        # Steps this train() call could not make up: the first such event says so at once, the end line the total.
+        self.not_made_up = self.first_not_made_up = 0
 
     def schedule_state(self) -> dict:
         """What a rollback needs to rewind the schedule: the scheduler's state and the optimizer's hyperparameters,
@@ -93,23 +95,35 @@ class StepVeto:
         room = steps if self.last_step is None else min(steps, self.last_step - state.max_steps)
         room = max(room, 0)
         state.max_steps += room
-        if room < steps and trainer.is_world_process_zero():
+        lost = steps - room
+        if lost and not self.not_made_up and trainer.is_world_process_zero():
             logger.warning(
-                f"hf_hybrid: {steps - room} optimizer steps undone or skipped (a rolled-back jump, an undone raise, "
-                f"the guard) cannot be made up: the Trainer's last epoch ends at step {self.last_step}. This run makes "
-                f"{steps - room} fewer real updates than the Trainer would; a max_steps short of the data's last epoch "
-                "leaves room for them."
+                f"hf_hybrid: {_steps(lost)} undone or skipped (a rolled-back jump, an undone raise, the guard) cannot "
+                f"be made up: the Trainer's last epoch ends at step {self.last_step}. This run makes {lost} fewer real "
+                "updates than the Trainer would; a max_steps short of the data's last epoch leaves room for them. Any "
+                "more are counted at the end."
             )
+        self.first_not_made_up = self.first_not_made_up or lost
+        self.not_made_up += lost
         for bar in self._progress_bars():
             bar.total = state.max_steps
+
+    def end_line(self) -> str | None:
+        """The total of the steps that could not be made up, where more came after the first line said so."""
+        if self.not_made_up == self.first_not_made_up:
+            return None
+        return (f"hf_hybrid: in all, {_steps(self.not_made_up)} undone or skipped could not be made up: this run made "
+                f"{self.not_made_up} fewer real updates than the Trainer would.")
 
     def show_phase(self, phase: str) -> None:
         for bar in self._progress_bars():
             bar.set_postfix(phase=phase, refresh=False)
 
     def set_epochs_end(self, train_dataloader: torch.utils.data.DataLoader | None) -> None:
-        """The optimizer step at which the Trainer's epoch loop ends, as `Trainer.set_initial_training_values`
-        counts it; None when the data has no length (the loop then runs until max_steps)."""
+        """At a train() call's start, with no step lost yet: the optimizer step at which the Trainer's epoch loop ends,
+        as `Trainer.set_initial_training_values` counts it; None when the data has no length (the loop then runs until
+        max_steps)."""
+        self.not_made_up = self.first_not_made_up = 0
         try:
             batches = len(train_dataloader)
         except TypeError:
@@ -124,6 +138,10 @@ class StepVeto:
             for callback in self.trainer.callback_handler.callbacks
             if isinstance(callback, ProgressCallback) and callback.training_bar is not None
         ]
+
+
+def _steps(n: int) -> str:
+    return f"{n} optimizer step{'' if n == 1 else 's'}"
 
 
 class CountedStepSchedule(TrainerCallback):
