@@ -114,7 +114,7 @@ class HybridMixin(TrlLogsKept):
         guard = self._guard_loop.guard if self._guard_loop is not None else StepGuard(self.hybrid_config.guard)
         autopilot = self._lr_autopilot.stats() if self._lr_autopilot is not None else plain_stats()
         engine = self._hybrid.stats() if self._hybrid is not None else HybridEngine.plain_stats(self.state.global_step)
-        return {**engine, **guard.stats(), **autopilot}
+        return {**engine, "steps_not_made_up": self.step_veto.not_made_up, **guard.stats(), **autopilot}
 
     # ---- the step ---------------------------------------------------------------------------------
     def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int,

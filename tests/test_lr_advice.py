@@ -62,17 +62,17 @@ def test_few_verdicts_are_no_evidence():
 
 def test_rolled_back_jumps_call_the_weights_the_trainers_only_when_nothing_else_moved_them():
     stats = {"predictions_judged": 1, "predictions_kept": 0, "turns_passed": 0, "backward_steps": 100, "lr_scale": 1.0,
-             "guard_outliers": 0, "guard_rollbacks": 0}
+             "guard_outliers": 0, "guard_rollbacks": 0, "steps_not_made_up": 0}
     assert jump_advice(stats, 5e-5) == ["hf_hybrid: the jump was rolled back, so these weights are the plain "
                                         "Trainer's steps."]
     # A kept raise of the learning rate (the autopilot's line says so) or a step the guard flagged: not the Trainer's.
-    for moved in ({"lr_scale": 10.0}, {"guard_outliers": 2}, {"guard_rollbacks": 1}):
+    for moved in ({"lr_scale": 10.0}, {"guard_outliers": 2}, {"guard_rollbacks": 1}, {"steps_not_made_up": 3}):
         assert jump_advice({**stats, **moved}, 5e-5) == ["hf_hybrid: the jump was rolled back."]
 
 
 def test_the_jump_line_says_the_weights_are_the_trainers_only_where_every_jump_was_undone_and_nothing_else_moved():
     quiet = dict(predictions_judged=0, predictions_kept=0, turns_passed=0, lr_scale=1.0, guard_outliers=0,
-                 guard_rollbacks=0, backward_steps=300)
+                 guard_rollbacks=0, steps_not_made_up=0, backward_steps=300)
     assert jump_summary(quiet) is None
     assert jump_summary({**quiet, "turns_passed": 1}) == (
         "hf_hybrid: no jump was tried; 1 turn to jump passed: the probe along the optimizer's next step said its steps "
@@ -81,7 +81,7 @@ def test_the_jump_line_says_the_weights_are_the_trainers_only_where_every_jump_w
     undone = {**quiet, "predictions_judged": 3}
     assert jump_summary(undone) == ("hf_hybrid: all 3 jumps were rolled back, so these weights are the plain Trainer's "
                                     "steps.")
-    for moved in ({"lr_scale": 2.0}, {"guard_outliers": 1}, {"guard_rollbacks": 1}):
+    for moved in ({"lr_scale": 2.0}, {"guard_outliers": 1}, {"guard_rollbacks": 1}, {"steps_not_made_up": 1}):
         assert jump_summary({**undone, **moved}) == "hf_hybrid: all 3 jumps were rolled back."
     one_kept = {**quiet, "predictions_judged": 1, "predictions_kept": 1, "jump_gain": 0.071, "jump_worth_steps": 3.2,
                 "backward_steps": 149}

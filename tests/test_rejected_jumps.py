@@ -121,6 +121,7 @@ def test_steps_that_cannot_be_made_up_are_reported(tmp_path, monkeypatch, caplog
     first = int(re.search(r"(\d+) optimizer steps? undone or skipped \(", caplog.text).group(1))
     total = re.findall(r"in all, (\d+) optimizer steps? undone or skipped could not be made up", caplog.text)
     assert trainer.hybrid_stats()["rollbacks"] > 1 and first < undone and total == [str(undone)]
+    assert trainer.hybrid_stats()["steps_not_made_up"] == undone and "plain Trainer's steps" not in caplog.text
 
 
 def test_without_payoff_check_survived_jumps_undo_the_back_off(tmp_out, monkeypatch):

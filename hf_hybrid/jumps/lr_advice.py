@@ -29,8 +29,9 @@ def jump_summary(stats: dict) -> str | None:
         undone = f"all {judged} jumps were" if judged > 1 else "the jump was"
         line = f"hf_hybrid: {undone} rolled back"
         # Only then are the weights the plain Trainer's: a kept raise of the learning rate or a step the guard flagged
-        # moved them another way, and the autopilot's or the guard's own line says so.
-        if stats["lr_scale"] == 1.0 and not stats["guard_outliers"] and not stats["guard_rollbacks"]:
+        # moved them another way, and steps that could not be made up left them short; each has a line of its own.
+        if stats["lr_scale"] == 1.0 and not (stats["guard_outliers"] or stats["guard_rollbacks"]
+                                             or stats["steps_not_made_up"]):
             line += ", so these weights are the plain Trainer's steps"
     else:
         kept_line = "the jump was kept; it" if judged == 1 else f"{kept} of {judged} jumps kept; together they"
