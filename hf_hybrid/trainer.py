@@ -9,8 +9,8 @@ one reason:
   is applied at the first micro-batch of the optimizer step;
 - `_clip_grad_norm` / `_get_grad_norm`: the Trainer calls them on every optimizer step; on a step with no backward
   they must not touch the gradients (or the fp16 GradScaler's unscale bookkeeping), and on a real step the gradient
-  norm is where a NaN or an explosion is caught before the optimizer runs; `_track_num_input_tokens`: a Predict step's
-  batches are not trained on (a rolled-back jump's count when replayed), as TRL's own token count has it;
+  norm is where a NaN or an explosion is caught before the optimizer runs; `_track_num_input_tokens`: a batch counts
+  once, when trained on: not in a Predict step, nor again when an undo gives it back (loop/replay.py);
 - `_save_optimizer_and_scheduler` / `_load_optimizer_and_scheduler`: they run on every rank, so the hybrid state is
   saved and restored beside the optimizer's (checkpoint.py: replicated tensors once per job);
 - `_load_rng_state`: the checkpoint's RNG already holds the DataLoader seed draws that loop/epoch_seed.py defers;
@@ -124,8 +124,7 @@ class HybridMixin(TrlLogsKept):
 
     def training_step(self, model: torch.nn.Module, inputs: dict,
                       num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
-        engine = self._hybrid
-        if engine is None:
+        if (engine := self._hybrid) is None:
             return super().training_step(model, inputs, num_items_in_batch)
         first_micro_batch = engine.record is None
         if first_micro_batch:
@@ -139,7 +138,8 @@ class HybridMixin(TrlLogsKept):
                 self._guard_loop.add_micro_batch(inputs, num_items_in_batch, first_micro_batch)
             if self._lr_autopilot is not None:
                 self._lr_autopilot.take_probe(inputs)
-            loss = super().training_step(model, inputs, num_items_in_batch)
+            with self.tokens_counted(engine.replay.counts_tokens):
+                loss = super().training_step(model, inputs, num_items_in_batch)
             self.step_losses.window += loss.detach().float()
             return loss
         return predict_training_step(self, model, inputs, num_items_in_batch, first_micro_batch)
@@ -167,7 +167,7 @@ class HybridMixin(TrlLogsKept):
         return grad_norm
 
     def _track_num_input_tokens(self, inputs: dict) -> None:
-        if not self._hybrid_step_has_no_backward():
+        if self._hybrid is None or self._hybrid.replay.counts_tokens:
             super()._track_num_input_tokens(inputs)
 
     def _hybrid_step_has_no_backward(self) -> bool:

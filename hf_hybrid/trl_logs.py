@@ -4,8 +4,10 @@ TRL's trainers (SFT, DPO, KTO, reward, ...) count the tokens trained on (`_total
 metrics (entropy and token accuracy, DPO's rewards and margins) in `compute_loss`, then average them into the next log
 (`_metrics`). The hybrid's own forwards (the autopilot's readings along the next step, a jump's probe, the guard's
 re-run of the last accepted batch) go through the same `compute_loss`, on the probe batch or at weights training never
-took, so what they record there is taken back: a run's TRL metrics are those of its training steps alone. Neither
-attribute has a public way in; tests/test_trl.py pins both on SFT, DPO, KTO and the reward model.
+took, so what they record there is taken back: a run's TRL metrics are those of its training steps alone. A training
+step on a batch trained on before an undo gave it back counts no tokens again, as the Trainer's own count does not
+(loop/replay.py). Neither attribute has a public way in; tests/test_trl.py pins both on SFT, DPO, KTO and the reward
+model.
 """
 
 from __future__ import annotations
@@ -35,3 +37,14 @@ class TrlLogsKept:
                     by_key.update(kept.get(mode, {}))
             if tokens is not None:
                 self._total_train_tokens = tokens
+
+    @contextmanager
+    def tokens_counted(self, counts: bool) -> Iterator[None]:
+        """A training step; unless it `counts` its batch's tokens, TRL's token count comes back as it was."""
+        tokens = getattr(self, "_total_train_tokens", None)
+        try:
+            yield
+        finally:
+            if tokens is not None and not counts:
+                self._total_train_tokens = tokens
+                self._metrics["train"]["num_tokens"] = [tokens]

@@ -89,13 +89,14 @@ def fail_every_trial_and_jump(monkeypatch) -> None:
 
 
 # One epoch of the larger dataset: room to make up the undone updates.
-UNDONE = dict(OUTER, learning_rate=1e-4, max_steps=100)
+UNDONE = dict(OUTER, learning_rate=1e-4, max_steps=100, include_num_input_tokens_seen=True)
 
 
 def test_an_undone_raise_gives_its_batches_back_so_the_run_stays_on_the_trainers_path(tmp_path, monkeypatch):
     """Every raise fails its trial and every jump is rejected: the undone updates are made up on their own batches, in
     their order, so the run ends at the plain Trainer's weights bit for bit. With dropout and evaluations, whose
-    DataLoader seed draws come after as many of the Trainer's updates as the Trainer's, again after an undo."""
+    DataLoader seed draws come after as many of the Trainer's updates as the Trainer's, again after an undo. A batch
+    trained again after an undo counts its tokens once, as the Trainer's did."""
     fail_every_trial_and_jump(monkeypatch)
     settings = dict(UNDONE, eval_strategy="steps", eval_steps=7)
     held_out = token_dataset(16, seed=1)
@@ -108,6 +109,7 @@ def test_an_undone_raise_gives_its_batches_back_so_the_run_stays_on_the_trainers
     plain.train()
     assert hybrid.state.global_step > plain.state.global_step == 100
     assert_bit_identical(state(plain.model), state(hybrid.model))
+    assert hybrid.state.num_input_tokens_seen == plain.state.num_input_tokens_seen == 100 * 8 * 16
     # Logged against the updates that count, the evaluations are the Trainer's, step for step; one taken inside a trial
     # that was then undone is taken again at the same count, and that later one stands.
     evals = [[h for h in run.state.log_history if "eval_loss" in h] for run in (plain, hybrid)]
@@ -140,6 +142,7 @@ def test_a_run_resumed_during_a_trial_that_is_then_undone_replays_the_same_batch
     resumed.train(resume_from_checkpoint=str(tmp_path / "full" / f"checkpoint-{mid}"))
     assert resumed._lr_autopilot.scale.trials_undone == full_run._lr_autopilot.scale.trials_undone >= 1
     assert_bit_identical(state(full_run.model), state(resumed_model))
+    assert resumed.state.num_input_tokens_seen == full_run.state.num_input_tokens_seen == 100 * 8 * 16
 
 
 def test_resume_during_a_trial_is_bit_identical(tmp_path):

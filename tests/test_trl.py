@@ -192,3 +192,20 @@ def test_a_probe_forward_leaves_trls_metrics_as_they_were(tmp_path, kind):
         assert rows is None
     trainer.compute_loss(trainer.model, dict(batch))
     assert recorded() != kept  # what a training step records, TRL records
+
+
+def test_a_batch_trained_again_after_an_undone_raise_counts_its_tokens_once(tmp_path, monkeypatch):
+    """Every raise fails its trial and every jump is rejected: the undone updates train again on their own batches,
+    and both token counts, TRL's and the Trainer's, end on `SFTTrainer`'s, as the weights do."""
+    from .test_lr_undo import fail_every_trial_and_jump
+
+    fail_every_trial_and_jump(monkeypatch)
+    settings = dict(learning_rate=1e-4, max_steps=60, include_num_input_tokens_seen=True)
+    plain = _trl_run(tmp_path, "sft", hybrid=False, **settings)
+    plain.train()
+    hybrid = _trl_run(tmp_path, "sft", hybrid=True, **settings)
+    hybrid.train()
+    assert hybrid.hybrid_stats()["lr_trials_undone"] >= 1
+    assert torch.equal(flat_params(hybrid.model), flat_params(plain.model))
+    assert hybrid._total_train_tokens == plain._total_train_tokens
+    assert hybrid.state.num_input_tokens_seen == plain.state.num_input_tokens_seen > 0

@@ -108,11 +108,11 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
 
     def next_batches(self, fresh: Unit) -> Unit:
         """The batches for the next optimizer step: a rolled-back jump's come back first (see loop/replay.py)."""
-        c = self.controller
+        real = self.controller.phase is not Phase.PREDICT
         if self.epoch_seed.epoch_starting:
             self.epoch_seed.first_fetch(fresh)
-        unit = self.replay.hand_out(fresh, new_jump=c.phase is Phase.PREDICT and c.steps_in_phase == 0)
-        self.epoch_seed.handing_out(unit, real_step=c.phase is not Phase.PREDICT)
+        unit = self.replay.hand_out(fresh, new_jump=not real and self.controller.steps_in_phase == 0, trains=real)
+        self.epoch_seed.handing_out(unit, real_step=real)
         return unit
 
     def rng_loaded(self) -> None:
