@@ -33,19 +33,21 @@ HELD_OUT = ("fresh", "report")
 SUMMARY_HEADER = ("| at the LR a user types | settings (held out) | hybrid: speedup in updates (wall clock), median "
                   "and range | the swept LR's speedup | G in updates / wall clock: all (held out) | G ahead of "
                   "Mechanic; of Prodigy | never worse: highest final loss over the Trainer's (checks) |")
+LEAD = (
+    "Each setting trains at the LR a user types, {below} below its swept LR (the best of a coarse grid), beside the "
+    "plain Trainer at both and two optimizers that need no LR: Prodigy, and Mechanic (AdamW with a learned multiplier "
+    "on its schedule, the quantity the autopilot moves). A **speedup** is the Trainer's updates to its own final "
+    "held-out loss over the arm's. **G** is the log of the hybrid's speedup over the log of the swept LR's: the share "
+    "of what a sweep buys that the hybrid recovers without one (1: all of it, 0: none).")
 CAPTION = (
-    "Rendered by `scripts/render_readme.py` from the LR-autopilot survey's reports (`docs/survey/`), on a CPU: small "
-    "GPT-2s ({layers} layers; the fine-tunes start from a 2-layer one pretrained here on Shakespeare) on the shipped "
-    "corpora and torch's source, {updates} updates, {seeds}. Each setting runs at the LR a user types, {below} below "
-    "its swept LR (`TrainingArguments`' 5e-5 to fine-tune; from scratch a tenth of the swept LR, or 5e-5 where every "
-    "other argument is left at its default too) beside the plain Trainer at that LR and at the swept LR, the best of a "
-    "coarse grid. A speedup is the Trainer's updates to its own final held-out loss over the arm's; G is the log of "
-    "the hybrid's speedup over the log of the swept LR's: the share of what a sweep buys that the hybrid recovers "
-    "without one. Held out: settings written after the tuning ended, or set aside before it (Known limits says what "
-    "was read from them). Never worse: the hybrid alone at every LR of the setting's grid from the user's to 3x the "
-    "swept, against the same seed's Trainer. Jumps: the hybrid's {runs} runs behind the table judged {judged} and kept "
-    "{kept}. Every setting, with each peer's figures: "
-    "[docs/results.md](docs/results.md).")
+    "On a CPU: small GPT-2s ({layers} layers; the fine-tunes start from a 2-layer one pretrained here on Shakespeare) "
+    "on the shipped corpora and torch's source, {updates} updates, {seeds}. The user's LR: `TrainingArguments`' 5e-5 "
+    "to fine-tune; from scratch a tenth of the swept LR, or 5e-5 where every other argument is left at its default "
+    "too. Held out: settings written after the tuning ended, or set aside before it (Known limits says what was read "
+    "from them). Never worse: the hybrid alone at every LR of the setting's grid from the user's to 3x the swept, "
+    "against the same seed's Trainer. Jumps: the hybrid's {runs} runs behind the table judged {judged} and kept "
+    "{kept}. Rendered by `scripts/render_readme.py` from the survey's reports (`docs/survey/`); every setting, with "
+    "each peer's figures: [docs/results.md](docs/results.md).")
 
 
 def _span(values: set[int]) -> str:
@@ -121,9 +123,9 @@ def summary_rows(reports: Path = SURVEY) -> list[Row]:
 
 
 def render_summary(reports: Path = SURVEY) -> str:
-    """README.md's block: the summary and its caption."""
+    """README.md's block: what the summary's terms mean, the summary and its caption."""
     rows, scope = _summary(reports)
-    lines = [SUMMARY_HEADER, "|" + "---|" * SUMMARY_HEADER.count(" | ") + "---|"]
+    lines = [LEAD.format(**scope), "", SUMMARY_HEADER, "|" + "---|" * SUMMARY_HEADER.count(" | ") + "---|"]
     lines += ["| " + " | ".join(row.cells) + " |" for row in rows]
     lines += ["", CAPTION.format(**scope)]
     return "\n".join(lines)

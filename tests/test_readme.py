@@ -182,5 +182,6 @@ def test_the_summary_adds_up_each_kind_of_run_from_its_current_reports(tmp_path)
     ]
     assert tmp_path / f"{lora}-user-seed1.json" not in rows[-1].sources
     rendered = render_readme.render_summary(tmp_path)
-    assert rendered.count("\n| ") == 3  # its three rows, below the header
+    assert rendered.count("\n| ") == 4  # the header and its three rows, below the terms
     assert "small GPT-2s (2 layers; " in rendered and "300 updates, 1 seed. " in rendered  # the caption's scope
+    assert rendered.startswith("Each setting trains at the LR a user types, 10x below its swept LR")  # the terms first
