@@ -30,15 +30,17 @@ RESULTS = REPO / "docs" / "results.md"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 KINDS = ("from scratch", "full fine-tune", "LoRA", "classifier")
 HELD_OUT = ("fresh", "report")
-SUMMARY_HEADER = ("| at the LR a user types | settings (held out) | hybrid: speedup in updates (wall clock), median "
-                  "and range | the swept LR's speedup | G in updates / wall clock: all (held out) | G ahead of "
-                  "Mechanic; of Prodigy | never worse: highest final loss over the Trainer's (checks) |")
+SUMMARY_HEADER = ("| kind of run, at the LR a user types | settings (held out) | hybrid: speedup in updates (wall "
+                  "clock), median and range | the swept LR's speedup | G in updates / wall clock: all (held out) | "
+                  "settings where the hybrid's G in updates beats Mechanic's; Prodigy's | never worse: the worst "
+                  "final loss minus the Trainer's (checks) |")
 LEAD = (
     "Each setting trains at the LR a user types, {below} below its swept LR (the best of a coarse grid), beside the "
     "plain Trainer at both and two optimizers that need no LR: Prodigy, and Mechanic (AdamW with a learned multiplier "
-    "on its schedule, the quantity the autopilot moves). A **speedup** is the Trainer's updates to its own final "
-    "held-out loss over the arm's. **G** is the log of the hybrid's speedup over the log of the swept LR's: the share "
-    "of what a sweep buys that the hybrid recovers without one (1: all of it, 0: none).")
+    "on its schedule, the quantity the autopilot moves). A **speedup** is the updates the Trainer at the user's LR "
+    "needs to reach its own final held-out loss, over the updates an arm needs to reach it. **G** is the log of the "
+    "hybrid's speedup over the log of the swept LR's: the share of what a sweep buys that the hybrid recovers without "
+    "one (1: all of it, 0: none).")
 CAPTION = (
     "On a CPU: small GPT-2s ({layers} layers; the fine-tunes start from a 2-layer one pretrained here on Shakespeare) "
     "on the shipped corpora and torch's source, {updates} updates, {seeds}. The user's LR: `TrainingArguments`' 5e-5 "
