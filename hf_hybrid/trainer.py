@@ -1,10 +1,8 @@
 """`HybridHFTrainer`: the Hugging Face `Trainer` with hybrid predictive training.
 
 Thin glue: the subclass holds the overrides; what they call lives in the capability packages (jumps/, guard/,
-autopilot/, and loop/ and memory/, which they share), which reach the trainer through loop/seam.py. Each override has
-one reason:
-- `get_batch_samples`: a rolled-back jump's batches were never trained on; they are handed out again before fresh
-  ones, so the run keeps the Trainer's data order (loop/replay.py);
+autopilot/, and loop/ and memory/, which they share), reaching the trainer through loop/seam.py. One reason each:
+- `get_batch_samples`: an undone jump's batches go out again before fresh ones, keeping the data order (loop/replay.py);
 - `training_step`: a Predict step runs no backward (only a no-grad forward to check the loss), and its predicted delta
   is applied at the first micro-batch of the optimizer step;
 - `_clip_grad_norm` / `_get_grad_norm`: the Trainer calls them on every optimizer step; on a step with no backward
@@ -14,9 +12,10 @@ one reason:
 - `_save_optimizer_and_scheduler` / `_load_optimizer_and_scheduler`: they run on every rank, so the hybrid state is
   saved and restored beside the optimizer's (checkpoint.py: replicated tensors once per job);
 - `_load_rng_state`: the checkpoint's RNG already holds the DataLoader seed draws that loop/epoch_seed.py defers;
-- `log`: to merge the `hybrid/...` metrics into the Trainer's logs, so every `report_to` gets them, and the
-  updates that count (`hybrid/updates`) into an evaluation's too;
-- `train`: a run the guard stopped raises `GuardStoppedError` once the Trainer has finished its bookkeeping.
+- `log`: merges the `hybrid/...` metrics into the Trainer's logs for every `report_to`, and the updates that count
+  (`hybrid/updates`) into an evaluation's too;
+- `train`: a run the guard stopped raises `GuardStoppedError` after the Trainer's bookkeeping; a cut-off one keeps no
+  unjudged jump.
 The other loop points come through a callback placed first in line, so that a rolled-back step is made up before
 `DefaultFlowCallback` decides whether to stop; one right after it keeps saves and evaluations on the counted steps.
 """
@@ -171,8 +170,7 @@ class HybridMixin(TrlLogsKept):
             super()._track_num_input_tokens(inputs)
 
     def _hybrid_step_has_no_backward(self) -> bool:
-        engine = self._hybrid
-        return engine is not None and engine.record is not None and engine.phase is Phase.PREDICT
+        return (engine := self._hybrid) is not None and engine.record is not None and engine.phase is Phase.PREDICT
 
     def _hybrid_before_optimizer_step(self) -> None:
         record = self._hybrid.record if self._hybrid is not None else None
@@ -238,8 +236,7 @@ class HybridMixin(TrlLogsKept):
             load_parts(self._stateful_parts(), self._hybrid_pending_state)
         self._hybrid_pending_state = None
         self.step_veto.set_epochs_end(train_dataloader)
-        # A resumed run: the Trainer set max_steps from the arguments again.
-        self.step_veto.extend_max_steps(self._hybrid.made_up_steps)
+        self.step_veto.extend_max_steps(self._hybrid.made_up_steps)  # resumed: max_steps is the arguments' again
         if self.hybrid_config.trace and self.is_world_process_zero():
             self._hybrid_trace = StepTrace(self.args.output_dir, self.state.global_step)
 
@@ -264,9 +261,8 @@ class HybridMixin(TrlLogsKept):
             if not any(k.startswith("eval_") for k in logs):
                 guard = self._guard_loop.guard.log_metrics() if self._guard_loop is not None else {}
                 autopilot = self._lr_autopilot.log_metrics() if self._lr_autopilot is not None else {}
-                logs = {**logs, **self._hybrid.log_metrics(), **guard, **autopilot}
-                if self._vram is not None:
-                    logs.update(self._vram.metrics())
+                vram = self._vram.metrics() if self._vram is not None else {}
+                logs = {**logs, **self._hybrid.log_metrics(), **guard, **autopilot, **vram}
         super().log(logs, start_time)
 
     # ---- checkpoints --------------------------------------------------------------------------------
@@ -276,8 +272,8 @@ class HybridMixin(TrlLogsKept):
             state = {key: part.state_dict() for key, part in self._stateful_parts().items()}
             if self._guard_loop is not None:
                 self._guard_loop.snapshot_asked = True
-            sharded = bool(self._hybrid.predictor.shard_groups)
-            save_hybrid_state(output_dir, self.args.process_index, state, sharded, self.args.should_save)
+            save_hybrid_state(output_dir, self.args.process_index, state, bool(self._hybrid.predictor.shard_groups),
+                              self.args.should_save)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)
@@ -290,7 +286,11 @@ class HybridMixin(TrlLogsKept):
             self._hybrid.rng_loaded()
 
     def train(self, *args, **kwargs) -> TrainOutput:
-        output = super().train(*args, **kwargs)
+        try:
+            output = super().train(*args, **kwargs)
+        finally:  # also when cut off (Ctrl-C, an error): a jump awaiting its verdict is undone, as at the run's end
+            if self._hybrid is not None:
+                self._hybrid.finish()
         if self._guard_loop is not None and self._guard_loop.stop_message is not None:
             raise GuardStoppedError(self._guard_loop.stop_message)
         return output

@@ -102,6 +102,25 @@ def test_a_raise_is_judged_against_where_the_users_lr_would_have_gone_and_the_we
     assert gain != 0.0 and noise > 0.0
 
 
+def test_a_verdict_cut_off_at_its_forward_puts_the_weights_back(tmp_out, monkeypatch):
+    """Ctrl-C, or an out-of-memory error, while the probe reads the weights moved toward the undo point."""
+    trainer = make_trainer(tmp_out, learning_rate=1e-3, lr_scheduler_type="constant", **{**OUTER, "max_steps": 12})
+    trainer.train()
+    model, engine, snapshot = trainer.model, trainer._hybrid, trainer._guard_loop.snapshot
+    probe, before = trainer._lr_autopilot.probe, state(model)
+    at_raised_weights = probe_loss_by_sequence(trainer, model, probe)
+
+    def cut_off(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("hf_hybrid.autopilot.verdict.probe_loss_by_sequence", cut_off)
+    scratch = WeightSnapshot()
+    with pytest.raises(KeyboardInterrupt):
+        raise_gain(trainer, model, engine.shards(), scratch, probe, snapshot, 3.0, at_raised_weights)
+    assert_bit_identical(state(model), before)
+    assert not scratch.valid
+
+
 @pytest.mark.parametrize(("gain", "noise", "kept"), [(0.01, 0.0, True), (-0.03, 0.02, True), (-0.05, 0.02, False),
                                                     (-1e-6, 0.0, False)])
 def test_a_raise_is_undone_only_when_it_did_worse_by_more_than_the_noise(tmp_out, monkeypatch, gain, noise, kept):

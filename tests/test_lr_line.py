@@ -93,3 +93,58 @@ def test_the_move_along_adams_next_step_is_the_per_parameter_formula_in_lists_wh
         # In lists (an accelerator's): the weights at two step counts, the biases at one; else one per parameter.
         assert len(step_groups) == (3 if lists else 2 * layers)
     assert (moved[20] == moved[2]) if lists else (moved[20] == 10 * moved[2])
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def test_a_reading_cut_off_between_its_forwards_puts_the_weights_back(tmp_out, monkeypatch):
+    """Ctrl-C in a notebook, or an out-of-memory error, at the line's second point: the weights are the last step's,
+    not W + c*step."""
+    trainer = make_trainer(tmp_out, learning_rate=1e-3, lr_scheduler_type="constant", **{**OUTER, "max_steps": 12})
+    trainer.train()
+    model, engine = trainer.model, trainer._hybrid
+    before, calls = state(model), []
+
+    def cut_off(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise _Interrupted
+        return probe_loss(*args, **kwargs)
+
+    monkeypatch.setattr("hf_hybrid.autopilot.line.probe_loss", cut_off)
+    scratch = WeightSnapshot()
+    with pytest.raises(_Interrupted):
+        next_step_line(trainer, model, engine.shards(), scratch, trainer._lr_autopilot.probe)
+    assert len(calls) == 2  # it was cut off with the weights one move along the line
+    assert_bit_identical(state(model), before)
+    assert not scratch.valid
+
+
+def test_auto_find_batch_size_trains_on_from_the_last_steps_weights_after_an_oom_in_a_reading(tmp_out, monkeypatch):
+    """The Trainer catches an out-of-memory error, cuts the batch and starts its loop again from the model as it
+    stands: a reading cut off by one must leave that model where the last step left it."""
+    from transformers import TrainerCallback
+
+    starts, at_reading = [], []
+
+    class Starts(TrainerCallback):
+        def on_train_begin(self, args, state_, control, model=None, **kwargs):
+            starts.append(state(model))
+
+    def out_of_memory_once(trainer, model, probe, *args, **kwargs):
+        if not at_reading:  # the reading's first forward, at the weights the last step made
+            at_reading.append(state(model))
+        elif len(at_reading) == 1:
+            at_reading.append(None)
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes.")
+        return probe_loss(trainer, model, probe, *args, **kwargs)
+
+    monkeypatch.setattr("hf_hybrid.autopilot.line.probe_loss", out_of_memory_once)
+    trainer = make_trainer(tmp_out, learning_rate=1e-3, auto_find_batch_size=True, **{**OUTER, "max_steps": 30})
+    trainer.add_callback(Starts())
+    trainer.train()
+    assert len(starts) == 2 and trainer._train_batch_size < 8  # the Trainer cut the batch and started again
+    assert_bit_identical(starts[1], at_reading[0])
+    assert trainer.state.global_step >= 30

@@ -198,3 +198,43 @@ def test_training_stopped_mid_jump_undoes_the_unjudged_delta(tmp_path):
     trainer.train()
     assert trainer.state.global_step == start + 1
     assert torch.equal(flat_params(model), rows[start - 1]["params"])
+
+
+class RaiseAt(TrainerCallback):
+    """Raises `error` once, at the end of optimizer step `step`; records the weights each training loop starts from."""
+
+    def __init__(self, step: int, error: BaseException) -> None:
+        self.step, self.error, self.starts = step, error, []
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.starts.append(flat_params(model))
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step and self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+
+@pytest.mark.parametrize("cut_off", ["ctrl-c", "out of memory"])
+def test_a_run_cut_off_mid_jump_undoes_the_unjudged_delta(tmp_path, cut_off):
+    """Ctrl-C leaves the weights the last real step made; so does an out-of-memory error, from which
+    `auto_find_batch_size` starts the Trainer's loop again with a smaller batch."""
+    settings = dict(hybrid_payoff_check=True, max_steps=40)
+    _, rows = train_recorded(tmp_path / "ref", **settings)
+    starts = [i for i, r in enumerate(rows) if r["phase"] is Phase.PREDICT and rows[i - 1]["phase"] != r["phase"]]
+    start = next(i for i in starts if i + 1 < len(rows) and rows[i + 1]["phase"] is Phase.PREDICT)
+    model = tiny_gpt2()
+    out_of_memory = cut_off == "out of memory"
+    error = (RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes.")
+             if out_of_memory else KeyboardInterrupt())
+    trainer = make_trainer(tmp_path / "cut", model=model, auto_find_batch_size=out_of_memory, **settings)
+    raise_at = RaiseAt(start + 1, error)
+    trainer.add_callback(raise_at)
+    if out_of_memory:
+        trainer.train()
+        assert len(raise_at.starts) == 2 and torch.equal(raise_at.starts[1], rows[start - 1]["params"])
+    else:
+        with pytest.raises(KeyboardInterrupt):
+            trainer.train()
+        assert torch.equal(flat_params(model), rows[start - 1]["params"])
+    assert not trainer._hybrid.jump_open

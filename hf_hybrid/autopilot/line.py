@@ -97,18 +97,17 @@ def next_step_line(trainer: HybridTrainer, model: torch.nn.Module, shards: list[
                    probe: dict, by_sequence: bool = False) -> tuple[list[torch.Tensor], torch.Tensor | None]:
     """The probe's loss at the weights W, at W + c*step and at W + 2c*step (c = SPACING), unreduced across ranks, and
     with `by_sequence` each sequence's loss at W (else None; also None where the loss cannot be split by sequence).
-    `shards` are the weights (local shards); `scratch` holds W meanwhile and is released after."""
-    scratch.capture(shards)
+    `shards` are the weights (local shards); `scratch` holds W meanwhile, puts it back however the reading ends, and
+    is released after."""
     optimizer = trainer.hybrid_engine.optimizer  # the optimizer itself, unwrapped from accelerate's
     step_groups = _step_groups(optimizer, lists=shards[0].device.type != "cpu")
-    if by_sequence:
-        start, rows = probe_loss_by_sequence(trainer, model, probe)
-    else:
-        start, rows = probe_loss(trainer, model, probe), None
-    losses = [start]
-    for _ in range(2):
-        _move_along_next_step(step_groups, SPACING)
-        losses.append(probe_loss(trainer, model, probe))
-    scratch.restore(shards)
-    scratch.release()
+    with scratch.held(shards):
+        if by_sequence:
+            start, rows = probe_loss_by_sequence(trainer, model, probe)
+        else:
+            start, rows = probe_loss(trainer, model, probe), None
+        losses = [start]
+        for _ in range(2):
+            _move_along_next_step(step_groups, SPACING)
+            losses.append(probe_loss(trainer, model, probe))
     return losses, rows

@@ -51,12 +51,11 @@ def raise_gain(trainer: HybridTrainer, model: torch.nn.Module, shards: list[torc
     """The probe's loss where the user's LR would have taken the weights, minus its loss at the raised weights
     (positive: the raise paid), and the standard error of that difference; both over every rank's probe. `shards` are
     the weights (local shards); `raised` is the probe's loss at them and each sequence's, unreduced across ranks, as
-    `probe_loss_by_sequence` reads them; `scratch` holds the weights meanwhile and is released after."""
+    `probe_loss_by_sequence` reads them; `scratch` holds the weights meanwhile, puts them back however the verdict
+    ends, and is released after."""
     raised, raised_rows = raised
-    scratch.capture(shards)
-    _move_toward_undo_point(shards, undo_point, raise_)
-    user, user_rows = probe_loss_by_sequence(trainer, model, probe)
-    scratch.restore(shards)
-    scratch.release()
+    with scratch.held(shards):
+        _move_toward_undo_point(shards, undo_point, raise_)
+        user, user_rows = probe_loss_by_sequence(trainer, model, probe)
     gain = trainer.reduce_across_ranks(user - raised)[0]
     return gain, paired_noise(trainer, user_rows, raised_rows)

@@ -14,6 +14,10 @@ if TYPE_CHECKING:
 
 def build_engine(trainer: HybridTrainer) -> HybridEngine:
     """A fresh engine for the trainer's prepared model and optimizer."""
+    if (previous := trainer.hybrid_engine) is not None:
+        # `auto_find_batch_size` starts the loop again after an out-of-memory error, from the weights as they stand: a
+        # jump the error cut off before its verdict is undone first, as at a run's end.
+        previous.finish()
     # Parameters of the prepared model: under FSDP2 these are the DTensors that hold the local shards.
     params = [p for p in trainer.model_wrapped.parameters() if p.requires_grad]
     optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # unwrapped from accelerate's

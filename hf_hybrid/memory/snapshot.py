@@ -4,6 +4,8 @@ known-good state that the guard rolls back to (`TrainingSnapshot`)."""
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -63,6 +65,18 @@ class WeightSnapshot:
 
     def release(self) -> None:
         self.tensors, self.valid, self.adopted = None, False, False
+
+    @contextmanager
+    def held(self, tensors: list[Tensor]) -> Iterator[None]:
+        """Keep `tensors` while the body moves them, and put them back bit for bit after it, however it ends: a
+        reading interrupted by Ctrl-C or an out-of-memory error (which `auto_find_batch_size` catches and trains on)
+        leaves the weights the last step made, not the reading's points along a line."""
+        self.capture(tensors)
+        try:
+            yield
+        finally:
+            self.restore(tensors)
+            self.release()
 
     @torch.no_grad()
     def move_to(self, device: torch.device) -> None:
