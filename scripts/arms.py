@@ -131,6 +131,7 @@ def run_arm(arm: str, preset: dict, out_dir: Path, seed: int, hybrid_overrides: 
         eval_on_start=bool(preset.get("early_eval_steps")), save_strategy="no", report_to="none", seed=seed,
         data_seed=seed, disable_tqdm=True,
         dataloader_num_workers=0, use_cpu=not cuda, full_determinism=preset.get("full_determinism", False),
+        torch_compile=preset.get("torch_compile", False),
     )
     result = ArmResult(arm=arm)
 
@@ -227,6 +228,7 @@ def arm_main(spec_json: str) -> None:
     if spec["learning_rate"]:
         preset["learning_rate"] = spec["learning_rate"]
     preset["full_determinism"] = spec["full_determinism"]
+    preset["torch_compile"] = spec.get("torch_compile", False)
     out_dir = Path(spec["out_dir"])
     result = run_arm(spec["arm"], preset, out_dir, spec["seed"], spec["overrides"], spec["budget"], spec["target"],
                      spec["hook_clock_on_gpu"])

@@ -44,11 +44,13 @@ def launch(arm: str, args, out_dir: Path, target: float | None, overrides: dict,
                 overrides=overrides, out_dir=str(out_dir), max_steps=args.max_steps, grad_accum=args.grad_accum,
                 eval_at_end=eval_at_end, early_evals=early_evals,
                 learning_rate=learning_rate or args.learning_rate, hook_clock_on_gpu=args.mode == "overhead",
-                full_determinism=args.full_determinism)
+                full_determinism=args.full_determinism, torch_compile=args.torch_compile)
     out_dir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, __file__, "--_arm", json.dumps(spec)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            **TUNED_HOST_ALLOCATOR}
+    if args.torch_compile:  # each arm compiles for itself, as a user's first run does: no graph cached by another arm
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(out_dir / "inductor-cache")
     print(f"{arm} arm:", flush=True)
     done = subprocess.run(cmd, env=env, stderr=subprocess.PIPE, text=True)  # its progress lines go to the screen
     if done.returncode != 0:
@@ -100,6 +102,9 @@ def main() -> None:
                              "where kernels otherwise differ run to run: a hybrid whose jumps were all rolled back can "
                              "then be checked bit for bit, and in the faults mode the faults and the guard are the "
                              "only difference between the arms")
+    parser.add_argument("--torch_compile", action="store_true",
+                        help="every arm with TrainingArguments' torch_compile (inductor), its compile time counted as "
+                             "training time")
     parser.add_argument("--output_dir", default="runs/benchmark")
     parser.add_argument("--_arm", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -149,3 +149,34 @@ def test_the_operators_a_real_step_adds_do_not_grow_with_the_model(tmp_path, lay
     stats = hybrid.hybrid_stats()
     assert len(added) > 20 and stats["predict_steps"] >= 4 and stats["guard_outliers"] == 0, stats
     assert max(added) <= 12, added
+
+
+def test_under_torch_compile_the_side_forwards_compile_the_model_no_second_time(tmp_path):
+    """A compiled model's graphs are guarded on the grad mode: the readings' and the Predict steps' forwards run the
+    training graph instead of compiling a no-grad one (a second compile of the model's forward, as long as the first
+    one's forward). Dynamo's own recompile log, with its `eager` backend for speed: the guards are the same."""
+    import logging
+
+    from .test_lr_advice import OUTER
+
+    reasons = []
+
+    class Recompiles(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            reasons.append(record.getMessage())
+
+    torch._dynamo.reset()
+    torch._logging.set_logs(recompiles=True)
+    handler, dynamo_logger = Recompiles(), logging.getLogger("torch._dynamo")
+    dynamo_logger.addHandler(handler)
+    try:
+        trainer = make_trainer(tmp_path, learning_rate=1e-3, torch_compile=True, torch_compile_backend="eager",
+                               **{**OUTER, "max_steps": 40})
+        trainer.train()
+    finally:
+        dynamo_logger.removeHandler(handler)
+        torch._logging.set_logs()
+        torch._dynamo.reset()
+    stats = trainer.hybrid_stats()
+    assert stats["lr_readings"] >= 2 and stats["predict_steps"] >= 1  # both kinds of side forward ran
+    assert reasons and not [r for r in reasons if "grad_mode" in r]  # recompiles were logged; none for the grad mode

@@ -12,14 +12,27 @@ from __future__ import annotations
 import copy
 import functools
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 import torch
 import torch.nn.functional as F
+from accelerate.utils import is_compiled_module
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 from .rng import forked_rng
 from .seam import HybridTrainer
+
+
+def _grad_mode(trainer: HybridTrainer, model: torch.nn.Module) -> AbstractContextManager:
+    """No autograd record, except in a compiled model (`--torch_compile`) in one process: its graphs are guarded on the
+    grad mode, so a no-grad forward would compile the model's forward a second time at the first reading or Predict
+    step (docs/benchmarks.md, "torch.compile: the side forwards reuse the training graph"). With grad enabled they run
+    the training graph's forward, which keeps a training step's activations until the loss, detached at once, is
+    dropped; no gradient exists then (after the optimizer step, or in a Predict step, which runs no backward). Not
+    under DDP or FSDP, whose forward with grad enabled readies a backward that would never come."""
+    compiled = trainer.args.torch_compile or is_compiled_module(model)
+    alone = trainer.accelerator.num_processes == 1
+    return torch.enable_grad() if compiled and alone else torch.no_grad()
 
 
 @contextmanager
@@ -27,8 +40,8 @@ def _paired_forward(trainer: HybridTrainer, model: torch.nn.Module) -> Iterator[
     """The same dropout masks every time (a fixed seed in a forked RNG), so that two forwards of one batch at two
     sets of weights are truly paired."""
     model.train()
-    with (forked_rng(trainer.args.device, trainer.args.seed), torch.no_grad(), trainer.compute_loss_context_manager(),
-          trainer.side_forward()):
+    with (forked_rng(trainer.args.device, trainer.args.seed), _grad_mode(trainer, model),
+          trainer.compute_loss_context_manager(), trainer.side_forward()):
         yield
 
 
@@ -124,9 +137,10 @@ def sequence_losses(logits: torch.Tensor | None, labels: torch.Tensor | None, sh
 
 def predict_step_loss(trainer: HybridTrainer, model: torch.nn.Module, inputs: dict,
                       num_items_in_batch: torch.Tensor | int | None) -> torch.Tensor:
-    """A Predict micro-batch's loss from a no-grad forward, scaled as `Trainer.training_step` scales a real one."""
+    """A Predict micro-batch's loss from a forward with no backward, scaled as `Trainer.training_step` scales a real
+    one."""
     model.train()
-    with forked_rng(trainer.args.device), torch.no_grad():
+    with forked_rng(trainer.args.device), _grad_mode(trainer, model):
         return training_step_loss(trainer, model, inputs, num_items_in_batch).detach()
 
 
