@@ -3,7 +3,7 @@
 Thin glue: the subclass holds the overrides; what they call lives in the capability packages (jumps/, guard/,
 autopilot/, and loop/ and memory/, which they share), reaching the trainer through loop/seam.py. One reason each:
 - `get_batch_samples`: an undone jump's batches go out again before fresh ones, keeping the data order (loop/replay.py);
-- `training_step`: a Predict step runs no backward (only a no-grad forward to check the loss), and its predicted delta
+- `training_step`: a Predict step runs no backward (only a forward to check the loss), and its predicted delta
   is applied at the first micro-batch of the optimizer step;
 - `_clip_grad_norm` / `_get_grad_norm`: the Trainer calls them on every optimizer step; on a step with no backward
   they must not touch the gradients (or the fp16 GradScaler's unscale bookkeeping), and on a real step the gradient

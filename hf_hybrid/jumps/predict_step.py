@@ -1,5 +1,5 @@
 """A Predict step inside `Trainer.training_step`: no backward. The predicted delta is applied at the step's first
-micro-batch, a no-grad forward checks the loss, and at the phase's end the jump is judged on its probe batch.
+micro-batch, a forward with no backward checks the loss, and at the phase's end the jump is judged on its probe batch.
 
 The probe is the phase's first batch, measured at the weights before the first delta and after the last one. On a
 one-step jump whose one micro-batch is the probe, the probe's forward after the jump is also the step's loss check:
@@ -86,7 +86,7 @@ def anchor_loss(trainer: HybridTrainer, model: torch.nn.Module, engine: HybridEn
 
 def _micro_batch_loss(trainer: HybridTrainer, model: torch.nn.Module, inputs: dict,
                       num_items_in_batch: torch.Tensor | int | None, monitored: bool) -> torch.Tensor:
-    """A no-grad forward to check the loss, or nothing at all on an unmonitored step."""
+    """A forward to check the loss, or nothing at all on an unmonitored step."""
     if monitored:
         trainer.step_losses.last = predict_step_loss(trainer, model, inputs, num_items_in_batch)
     # Unmonitored, the Trainer only sums this for its loss log: repeat the last checked loss rather than log a 0.
