@@ -18,8 +18,8 @@ LRS: list[float] = []  # the recorded run's schedule, set by `record` and by wha
 
 def build(seed: int):
     model, data, eval_set = build_model_and_data(PRESET, seed)
-    train = torch.tensor(data["train"]["input_ids"])
-    held_out = torch.tensor(eval_set["input_ids"])
+    train = torch.tensor(data["train"][:]["input_ids"])  # a slice: a column is read row by row
+    held_out = torch.tensor(eval_set[:]["input_ids"])
     return model, train, held_out
 
 

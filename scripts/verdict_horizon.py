@@ -46,7 +46,7 @@ def main() -> None:
     parser.add_argument("--max_steps", type=int, default=400)
     parser.add_argument("--out", default="runs/verdict-horizon.json")
     args = parser.parse_args()
-    train, held = counting(512, 0), torch.tensor(counting(128, 1)["input_ids"])
+    train, held = counting(512, 0), torch.tensor(counting(128, 1)[:]["input_ids"])
     horizons = sorted({args.raise_at + h for h in (10, 20, 40, 80)} | set(range(80, args.max_steps + 1, 40)))
 
     def held_loss(model) -> float:
