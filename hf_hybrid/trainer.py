@@ -3,8 +3,7 @@
 Thin glue: the subclass holds the overrides; what they call lives in the capability packages (jumps/, guard/,
 autopilot/, and loop/ and memory/, which they share), reaching the trainer through loop/seam.py. One reason each:
 - `get_batch_samples`: an undone jump's batches go out again before fresh ones, keeping the data order (loop/replay.py);
-- `training_step`: a Predict step runs no backward (only a forward to check the loss), and its predicted delta
-  is applied at the first micro-batch of the optimizer step;
+- `training_step`: a Predict step applies its predicted delta at its first micro-batch, then a forward, no backward;
 - `_clip_grad_norm` / `_get_grad_norm`: the Trainer calls them on every optimizer step; on a step with no backward
   they must not touch the gradients (or the fp16 GradScaler's unscale bookkeeping), and on a real step the gradient
   norm is where a NaN or an explosion is caught before the optimizer runs; `_track_num_input_tokens`: a batch counts
@@ -12,10 +11,8 @@ autopilot/, and loop/ and memory/, which they share), reaching the trainer throu
 - `_save_optimizer_and_scheduler` / `_load_optimizer_and_scheduler`: they run on every rank, so the hybrid state is
   saved and restored beside the optimizer's (checkpoint.py: replicated tensors once per job);
 - `_load_rng_state`: the checkpoint's RNG already holds the DataLoader seed draws that loop/epoch_seed.py defers;
-- `log`: merges the `hybrid/...` metrics into the Trainer's logs for every `report_to`, and the updates that count
-  (`hybrid/updates`) into an evaluation's too;
-- `train`: a run the guard stopped raises `GuardStoppedError` after the Trainer's bookkeeping; a cut-off one keeps no
-  unjudged jump.
+- `log`: merges the `hybrid/...` metrics into the logs for every `report_to`, `hybrid/updates` into evaluations' too;
+- `train`: a guard-stopped run raises `GuardStoppedError` after the Trainer ends; a cut-off one keeps no unjudged jump.
 The other loop points come through a callback placed first in line, so that a rolled-back step is made up before
 `DefaultFlowCallback` decides whether to stop; one right after it keeps saves and evaluations on the counted steps.
 """
@@ -225,6 +222,9 @@ class HybridMixin(TrlLogsKept):
 
     def prepare_inputs(self, inputs: dict) -> dict:
         return self._prepare_inputs(inputs)
+
+    def items_in_batch(self, batch: dict) -> torch.Tensor | int | None:
+        return self._get_num_items_in_batch([batch], self.args.device)
 
     def _hybrid_train_begin(self, train_dataloader: torch.utils.data.DataLoader | None) -> None:
         # The model and optimizer are prepared by now; each train() call builds the engine anew, before any file

@@ -20,6 +20,7 @@ def test_overridden_trainer_methods_exist():
         "log": ["self", "logs", "start_time"],
         "_track_num_input_tokens": ["self", "inputs"],
         "_prepare_inputs": ["self", "inputs"],  # called, not overridden: the probes prepare batches with it
+        "_get_num_items_in_batch": ["self", "batch_samples", "device"],  # called: a compiled model's probe counts
     }
     for name, params in expected.items():
         method = getattr(Trainer, name, None)

@@ -23,16 +23,21 @@ from .rng import forked_rng
 from .seam import HybridTrainer
 
 
-def _grad_mode(trainer: HybridTrainer, model: torch.nn.Module) -> AbstractContextManager:
-    """No autograd record, except in a compiled model (`--torch_compile`) in one process: its graphs are guarded on the
-    grad mode, so a no-grad forward would compile the model's forward a second time at the first reading or Predict
-    step (docs/benchmarks.md, "torch.compile: the side forwards reuse the training graph"). With grad enabled they run
-    the training graph's forward, which keeps a training step's activations until the loss, detached at once, is
-    dropped; no gradient exists then (after the optimizer step, or in a Predict step, which runs no backward). Not
-    under DDP or FSDP, whose forward with grad enabled readies a backward that would never come."""
+def _compiled_alone(trainer: HybridTrainer, model: torch.nn.Module) -> bool:
+    """A compiled model (`--torch_compile`, or compiled by hand) in one process: its graphs are guarded on the grad
+    mode and on the keyword arguments of the call, so a side forward that differs from a training step in either
+    compiles the model's forward again, at the first reading or Predict step (docs/benchmarks.md, "torch.compile: the
+    side forwards reuse the training graph"). Not under DDP or FSDP, whose forward with grad enabled readies a
+    backward that would never come."""
     compiled = trainer.args.torch_compile or is_compiled_module(model)
-    alone = trainer.accelerator.num_processes == 1
-    return torch.enable_grad() if compiled and alone else torch.no_grad()
+    return compiled and trainer.accelerator.num_processes == 1
+
+
+def _grad_mode(trainer: HybridTrainer, model: torch.nn.Module) -> AbstractContextManager:
+    """No autograd record, except in a compiled model in one process (`_compiled_alone`), whose side forwards then run
+    the training graph's forward: it keeps a training step's activations until the loss, detached at once, is
+    dropped; no gradient exists then (after the optimizer step, or in a Predict step, which runs no backward)."""
+    return torch.enable_grad() if _compiled_alone(trainer, model) else torch.no_grad()
 
 
 @contextmanager
@@ -49,7 +54,10 @@ def probe_loss(trainer: HybridTrainer, model: torch.nn.Module, probe: dict,
                num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
     """Loss of the probe batch at the current weights, paired with every other forward of it. The batch's mean, or,
     given the Trainer's `num_items_in_batch` for a step whose one micro-batch is the probe, the loss as
-    `Trainer.training_step` computes it."""
+    `Trainer.training_step` computes it. A compiled model in one process is given the probe's own count of items, as
+    the Trainer counts them, which leaves the mean (up to rounding) and calls the model as a training step does."""
+    if num_items_in_batch is None and _compiled_alone(trainer, model):
+        num_items_in_batch = trainer.items_in_batch(probe)
     with _paired_forward(trainer, model):
         return trainer.compute_loss(model, copy.copy(probe), num_items_in_batch=num_items_in_batch).detach()
 

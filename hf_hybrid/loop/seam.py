@@ -49,6 +49,9 @@ class HybridTrainer(Protocol):
     def prepare_inputs(self, inputs: dict) -> dict:
         """A batch as the Trainer prepares it for the model (on its device)."""
 
+    def items_in_batch(self, batch: dict) -> torch.Tensor | int | None:
+        """The `num_items_in_batch` the Trainer passes a step made of this one prepared micro-batch."""
+
     def side_forward(self) -> AbstractContextManager:
         """Around a forward the hybrid runs besides training: what `compute_loss` records for the logs (TRL's token
         count and metrics) comes back as it was."""
