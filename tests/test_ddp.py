@@ -32,6 +32,17 @@ def test_two_process_ddp_ranks_identical_after_predict(tmp_path):
     assert ranks[0]["stats"] == ranks[1]["stats"]
 
 
+def test_under_torch_compile_ddp_stays_in_the_loop_and_the_side_forwards_compile_nothing_again(tmp_path):
+    # The by-sequence probe once asked accelerate to unwrap the compiled model, which swapped DDP out of it for the
+    # rest of the run; the side forwards now run the training graph under `no_sync`, with the probe's item count.
+    ranks = launch_two_ranks("ddp_compile_worker.py", tmp_path)
+    stats = ranks[0]["stats"]
+    assert stats["lr_readings"] >= 2 and stats["lr_raises_kept"] >= 1 and stats["predict_steps"] >= 1, stats
+    assert all(rank["through_ddp"] for rank in ranks)
+    assert ranks[0]["final"] == ranks[1]["final"] and ranks[0]["stats"] == ranks[1]["stats"]
+    assert ranks[0]["recompiles"] == ranks[1]["recompiles"] == []
+
+
 @pytest.mark.parametrize("kind", ["sft", "dpo"])
 def test_trls_trainers_under_ddp_keep_ranks_identical_and_count_only_training_tokens(tmp_path, kind):
     # TRL gathers its token count and metrics across ranks inside compute_loss, a collective the hybrid's readings

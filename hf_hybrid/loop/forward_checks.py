@@ -12,32 +12,47 @@ from __future__ import annotations
 import copy
 import functools
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.nn.functional as F
 from accelerate.utils import is_compiled_module
+from torch.nn.parallel import DistributedDataParallel
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 from .rng import forked_rng
 from .seam import HybridTrainer
 
 
-def _compiled_alone(trainer: HybridTrainer, model: torch.nn.Module) -> bool:
-    """A compiled model (`--torch_compile`, or compiled by hand) in one process: its graphs are guarded on the grad
-    mode and on the keyword arguments of the call, so a side forward that differs from a training step in either
-    compiles the model's forward again, at the first reading or Predict step (docs/benchmarks.md, "torch.compile: the
-    side forwards reuse the training graph"). Not under DDP or FSDP, whose forward with grad enabled readies a
-    backward that would never come."""
+def _reuses_training_graph(trainer: HybridTrainer, model: torch.nn.Module) -> bool:
+    """A compiled model (`--torch_compile`, or compiled by hand) in one process or under DDP: its graphs are guarded on
+    the grad mode and on the keyword arguments of the call, so a side forward that differs from a training step in
+    either compiles the model's forward again, at the first reading or Predict step (docs/benchmarks.md, "torch.compile:
+    the side forwards reuse the training graph"). Not under FSDP, whose forward with grad enabled readies a backward
+    that never comes."""
     compiled = trainer.args.torch_compile or is_compiled_module(model)
-    return compiled and trainer.accelerator.num_processes == 1
+    return compiled and (trainer.accelerator.num_processes == 1 or _ddp(model) is not None)
 
 
-def _grad_mode(trainer: HybridTrainer, model: torch.nn.Module) -> AbstractContextManager:
-    """No autograd record, except in a compiled model in one process (`_compiled_alone`), whose side forwards then run
-    the training graph's forward: it keeps a training step's activations until the loss, detached at once, is
-    dropped; no gradient exists then (after the optimizer step, or in a Predict step, which runs no backward)."""
-    return torch.enable_grad() if _compiled_alone(trainer, model) else torch.no_grad()
+def _ddp(model: torch.nn.Module) -> DistributedDataParallel | None:
+    """The DDP wrapper of a (compiled) model, if any."""
+    inner = getattr(model, "_orig_mod", model)
+    return inner if isinstance(inner, DistributedDataParallel) else None
+
+
+@contextmanager
+def _grad_mode(trainer: HybridTrainer, model: torch.nn.Module) -> Iterator[None]:
+    """No autograd record, except where the side forwards reuse the training graph (`_reuses_training_graph`): it
+    keeps a training step's activations until the loss, detached at once, is dropped; no gradient exists then (after
+    the optimizer step, or in a Predict step, which runs no backward). Under DDP inside `no_sync`, so that the forward
+    readies no gradient reduction for a backward that never comes."""
+    if not _reuses_training_graph(trainer, model):
+        with torch.no_grad():
+            yield
+        return
+    ddp = _ddp(model)
+    with torch.enable_grad(), ddp.no_sync() if ddp is not None else nullcontext():
+        yield
 
 
 @contextmanager
@@ -54,9 +69,9 @@ def probe_loss(trainer: HybridTrainer, model: torch.nn.Module, probe: dict,
                num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
     """Loss of the probe batch at the current weights, paired with every other forward of it. The batch's mean, or,
     given the Trainer's `num_items_in_batch` for a step whose one micro-batch is the probe, the loss as
-    `Trainer.training_step` computes it. A compiled model in one process is given the probe's own count of items, as
-    the Trainer counts them, which leaves the mean (up to rounding) and calls the model as a training step does."""
-    if num_items_in_batch is None and _compiled_alone(trainer, model):
+    `Trainer.training_step` computes it. Where the side forwards reuse the training graph, the probe's own count of
+    items, as the Trainer counts them: the mean (up to rounding), and the model called as a training step calls it."""
+    if num_items_in_batch is None and _reuses_training_graph(trainer, model):
         num_items_in_batch = trainer.items_in_batch(probe)
     with _paired_forward(trainer, model):
         return trainer.compute_loss(model, copy.copy(probe), num_items_in_batch=num_items_in_batch).detach()
@@ -72,13 +87,23 @@ def probe_loss_by_sequence(trainer: HybridTrainer, model: torch.nn.Module, probe
     if "labels" not in probe:
         return probe_loss(trainer, model, probe, num_items_in_batch), None
     caught = []
-    hook = trainer.accelerator.unwrap_model(model).register_forward_hook(lambda _, __, output: caught.append(output))
+    hook = _outermost_model(trainer, model).register_forward_hook(lambda _, __, output: caught.append(output))
     try:
         loss = probe_loss(trainer, model, probe, num_items_in_batch)
     finally:
         hook.remove()
     split = _loss_split(trainer, model)  # after the forward, which sets a classifier's `problem_type`
     return loss, split(caught[-1], probe["labels"]) if split is not None and caught else None
+
+
+def _outermost_model(trainer: HybridTrainer, model: torch.nn.Module) -> torch.nn.Module:
+    """The module whose output is the model's own: the compiled wrapper itself for a compiled model, whose forward hooks
+    run outside the compiled code (a hook on a module inside it would be compiled, and recompiled for), else the model
+    without the distributed wrappers. Never `unwrap_model` keeping the compiled wrapper: on a compiled DDP model that
+    replaces the wrapper's module with the bare model, and training goes on without DDP's gradient reduction."""
+    if is_compiled_module(model):
+        return model
+    return trainer.accelerator.unwrap_model(model)
 
 
 def _loss_split(trainer: HybridTrainer, model: torch.nn.Module) -> Callable | None:
@@ -88,7 +113,7 @@ def _loss_split(trainer: HybridTrainer, model: torch.nn.Module) -> Callable | No
     single-label sequence classification's over its classes (`example_losses`)."""
     if getattr(trainer, "label_smoother", None) is not None or trainer.compute_loss_func is not None:
         return None
-    unwrapped = trainer.accelerator.unwrap_model(model)
+    unwrapped = trainer.accelerator.unwrap_model(model, keep_torch_compile=False)
     config = getattr(unwrapped, "config", None)
     if getattr(unwrapped, "loss_function", None) is ForCausalLMLoss:
         return functools.partial(_language_model_rows, shift=not getattr(config, "is_encoder_decoder", False))
