@@ -100,7 +100,7 @@ def _outermost_model(trainer: HybridTrainer, model: torch.nn.Module) -> torch.nn
     """The module whose output is the model's own: the compiled wrapper itself for a compiled model, whose forward hooks
     run outside the compiled code (a hook on a module inside it would be compiled, and recompiled for), else the model
     without the distributed wrappers. Never `unwrap_model` keeping the compiled wrapper: on a compiled DDP model that
-    replaces the wrapper's module with the bare model, and training goes on without DDP's gradient reduction."""
+    replaces the wrapper's module with the bare model, and training goes on outside DDP's forward."""
     if is_compiled_module(model):
         return model
     return trainer.accelerator.unwrap_model(model)
