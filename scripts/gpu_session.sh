@@ -32,14 +32,20 @@ if [ -z "${NO_WHEELS:-}" ] && ls .whl/*.whl >/dev/null 2>&1; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || exit 1
   export PYTHONPATH=/tmp/site
+  # The machine's own pyarrow decides which datasets imports (gpu_wheels.sh): a failed import here would fail every part.
+  if ! $PY -c "import datasets" >/dev/null 2>&1 && ls .whl/fallback/*.whl >/dev/null 2>&1; then
+    echo "datasets from .whl does not import beside this machine's pyarrow: installing .whl/fallback instead"
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      .whl/fallback/*.whl || exit 1
+  fi
 fi
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv 2>/dev/null
-$PY -c "import torch, transformers, accelerate, datasets; print('torch', torch.__version__, '| transformers',
-transformers.__version__, '| accelerate', accelerate.__version__, '| datasets', datasets.__version__, '| cuda',
-torch.cuda.is_available())"
+$PY -c "import torch, transformers, accelerate, datasets, pyarrow; print('torch', torch.__version__, '| transformers',
+transformers.__version__, '| accelerate', accelerate.__version__, '| datasets', datasets.__version__, '| pyarrow',
+pyarrow.__version__, '| cuda', torch.cuda.is_available())"
 
 # The presets each part runs; PRESET=smoke runs every part on the smoke presets.
 if [ "$PRESET" = smoke ]; then
