@@ -3,7 +3,8 @@
 # important parts first, each part under its own time limit so that a slow one leaves the rest their turn.
 #
 #   CALL=1 BUDGET=580 bash scripts/gpu_session.sh   # scratch, then finetune (about 8 minutes, predicted)
-#   CALL=2 BUDGET=290 bash scripts/gpu_session.sh   # cost, placement, first_reading, then scratch355 as time allows
+#   CALL=2 BUDGET=200 bash scripts/gpu_session.sh   # cost, placement, first_reading, scratch355 as time allows;
+#                                                   # BUDGET: the device time call 1 left, less 15 s (docs/gpu-suite.md)
 #   PARTS="tests overhead" bash scripts/gpu_session.sh   # any parts, in the order below
 #   PRESET=smoke bash scripts/gpu_session.sh   # every part at tiny shapes on a CPU (tests/test_gpu_session.py)
 #
