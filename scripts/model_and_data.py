@@ -10,11 +10,12 @@ from pathlib import Path
 
 
 def build_model_and_data(preset: dict, seed: int):
-    """The preset's GPT-2, initialized from `seed` or loaded from its pretrained checkpoint (the same start in every
-    arm), optionally wrapped in LoRA adapters, with the preset's shipped corpus in blocks and the evaluation subset.
+    """The preset's model (a GPT-2, or from scratch a Llama: `scratch_model`), initialized from `seed` or loaded from
+    its pretrained checkpoint (the same start in every arm), optionally wrapped in LoRA adapters, with the preset's
+    shipped corpus in blocks and the evaluation subset.
     A preset with a `task` fine-tunes the pretrained body with a sequence-classification head on that task."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, GPT2Config, GPT2LMHeadModel
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from hf_hybrid.data import load_shipped_tokenizer
 
@@ -31,9 +32,7 @@ def build_model_and_data(preset: dict, seed: int):
     elif "pretrained" in preset:
         model = AutoModelForCausalLM.from_pretrained(pretrained_checkpoint(preset))
     else:
-        config = GPT2Config(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                            eos_token_id=tokenizer.eos_token_id, **preset["model"])
-        model = GPT2LMHeadModel(config)
+        model = scratch_model(preset["model"], tokenizer)
     if torch.cuda.is_available():
         # The fused attention kernels' backward need not be deterministic; the matrix products of eager attention are,
         # under the cuBLAS settings full_determinism makes.
@@ -43,6 +42,24 @@ def build_model_and_data(preset: dict, seed: int):
 
         model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", fan_in_fan_out=True, **preset["lora"]))
     return model, datasets, eval_set
+
+
+def scratch_model(shape: dict, tokenizer):
+    """A model from scratch in GPT-2's shape keys (n_layer, n_embd, n_head, n_positions): GPT-2 by default, or with
+    `architecture` "llama" a Llama (RMSNorm, rotary positions, SwiGLU, grouped-query attention with half as many
+    key-value heads, the embedding tied to the head as small Llama-family models tie it)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+
+    shape = dict(shape)
+    ids = dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    if shape.pop("architecture", "gpt2") == "gpt2":
+        return GPT2LMHeadModel(GPT2Config(**ids, **shape))
+    width, heads = shape["n_embd"], shape["n_head"]
+    config = AutoConfig.for_model("llama", **ids, hidden_size=width, intermediate_size=8 * width // 3 // 8 * 8,
+                                  num_hidden_layers=shape["n_layer"], num_attention_heads=heads,
+                                  num_key_value_heads=max(heads // 2, 1),
+                                  max_position_embeddings=shape["n_positions"], tie_word_embeddings=True)
+    return AutoModelForCausalLM.from_config(config)
 
 
 @functools.lru_cache

@@ -102,6 +102,12 @@ def survey_settings(finetune: dict) -> dict[str, dict]:
         # 512 (GPT-2's 64-wide heads; 51M parameters against the 6x256 setting's 17.6M), under the Trainer's default
         # linear decay after a warmup.
         "scratch-8x512-docs-linear": _scratch(8, 512, 8, "transformers-docs", "linear", 20, 300),
+        # Written in session 65, after version 12, as a held-out check on the architecture most users now train: a
+        # Llama (RMSNorm, rotary positions, SwiGLU, grouped-query attention, tied embedding) in the 6x256 setting's
+        # shape, corpus and schedule, so that the two differ in the architecture alone.
+        "scratch-llama-6x256-docs-cosine": dict(_scratch(6, 256, 4, "transformers-docs", "cosine", 20, 300),
+                                                model=dict(architecture="llama", n_layer=6, n_embd=256, n_head=4,
+                                                           n_positions=64)),
     }
     return {name: dict(setting, half=half) for half, group in (("tune", tune), ("report", report), ("fresh", fresh))
             for name, setting in group.items()}

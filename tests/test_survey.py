@@ -19,7 +19,8 @@ from survey_settings import FINETUNE_LR, survey_settings  # noqa: E402
 def test_the_split_is_fixed_and_covers_what_matters_to_a_learning_rate():
     found = survey_settings({"pretrained": "x"})
     halves = {half: [n for n, s in found.items() if s["half"] == half] for half in ("tune", "report", "fresh")}
-    assert len(halves["tune"]) == len(halves["report"]) == 6 and len(halves["fresh"]) == 9
+    assert len(halves["tune"]) == len(halves["report"]) == 6 and len(halves["fresh"]) == 10
+    assert {s["model"].get("architecture", "gpt2") for s in found.values() if "model" in s} == {"gpt2", "llama"}
     for half in (halves["tune"], halves["report"]):  # each half holds runs from scratch, full fine-tunes and LoRA
         assert {n.split("-")[0].rstrip("0123456789") for n in half} == {"scratch", "finetune", "lora"}
     schedules = {s["scheduler"] for s in found.values()}
