@@ -42,7 +42,7 @@ LEAD = (
     "hybrid's speedup over the log of the swept LR's: the share of what a sweep buys that the hybrid recovers without "
     "one (1: all of it, 0: none).")
 CAPTION = (
-    "On a CPU: small GPT-2s ({layers} layers; the fine-tunes start from a 2-layer one pretrained here on Shakespeare) "
+    "On a CPU: {models} ({layers} layers; the fine-tunes start from a 2-layer one pretrained here on Shakespeare) "
     "on the shipped corpora and torch's source, {updates} updates, {seeds}. The user's LR: `TrainingArguments`' 5e-5 "
     "to fine-tune; from scratch a tenth of the swept LR, or 5e-5 where every other argument is left at its default "
     "too. Held out: settings written after the tuning ended, or set aside before it (Known limits says what was read "
@@ -111,6 +111,8 @@ def _summary(reports: Path) -> tuple[list[Row], dict[str, str]]:
         rows.append(_kind_row("all", list(seeds), settings, reports, g))
     scope = dict(layers=_span({settings[n]["model"]["n_layer"] for n in by_kind["from scratch"]}),
                  updates=_span({settings[n]["max_steps"] for n in seeds}))
+    llamas = sum(settings[n]["model"].get("architecture") == "llama" for n in by_kind["from scratch"])
+    scope["models"] = "small GPT-2s" + {0: "", 1: " and a Llama"}.get(llamas, f" and {llamas} Llamas")
     scope["seeds"] = "1 seed" if set(seeds.values()) == {1} else f"{_span(set(seeds.values()))} seeds"
     used = [report for n in seeds for _, report in current_user_reports(n, settings[n], reports)]
     scope["below"] = f"{_span({round(r['swept_learning_rate'] / r['learning_rate']) for r in used})}x"
