@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The wheels a lent GPU machine lacks (it reaches no network), fetched here into .whl/ for the call's carry: the
-# versions tested here of transformers and datasets with what they need beyond the machine's own packages, peft
-# (the machine has one, of a version unread, and `transformers.Trainer` imports any peft it finds: one before 0.18 fails
-# that import, `HybridCache`), and the peers' optimizers. The machine runs Python 3.12 on x86-64. In .whl/fallback/, datasets 4.0.0 for a machine whose own
-# pyarrow is older than 19, which datasets 5.2 cannot import beside (`pa.json_`); 4.0.0 loads the shipped corpora on
-# pyarrow 18 (checked here by hand, docs/gpu-suite.md).
+# versions tested here of transformers and datasets with what they need beyond the machine's own packages, peft (the
+# machine has one, of a version unread, and `transformers.Trainer` imports any peft it finds: one before 0.18 fails
+# that import, `HybridCache`), and the peers' optimizers. The machine runs Python 3.12 on x86-64. In .whl/fallback/,
+# datasets 4.0.0 for a machine whose own pyarrow is older than 19, which datasets 5.2 cannot import beside
+# (`pa.json_`); 4.0.0 loads the shipped corpora on pyarrow 18 (checked here by hand, docs/gpu-suite.md).
 #
 #   bash scripts/gpu_wheels.sh   # then: run(command="CALL=1 OUT=$OUT bash scripts/gpu_session.sh", carry=[".whl"])
 set -eu

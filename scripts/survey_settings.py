@@ -34,6 +34,11 @@ def _scratch(n_layer: int, n_embd: int, n_head: int, corpus: str, scheduler: str
                 grid=SCRATCH_GRID, user_lr=None)
 
 
+def _llama(setting: dict) -> dict:
+    """The same setting with a Llama of the same shape in place of the GPT-2 (scripts/model_and_data.py)."""
+    return dict(setting, model=dict(setting["model"], architecture="llama"))
+
+
 def _finetune(finetune: dict, scheduler: str, warmup: int, steps: int, batch: int = 8, accum: int = 1,
               lora_r: int = 0) -> dict:
     setting = dict(finetune, batch_size=batch, grad_accum=accum, max_steps=steps, eval_steps=steps // 10,
@@ -105,9 +110,7 @@ def survey_settings(finetune: dict) -> dict[str, dict]:
         # Written in session 65, after version 12, as a held-out check on the architecture most users now train: a
         # Llama (RMSNorm, rotary positions, SwiGLU, grouped-query attention, tied embedding) in the 6x256 setting's
         # shape, corpus and schedule, so that the two differ in the architecture alone.
-        "scratch-llama-6x256-docs-cosine": dict(_scratch(6, 256, 4, "transformers-docs", "cosine", 20, 300),
-                                                model=dict(architecture="llama", n_layer=6, n_embd=256, n_head=4,
-                                                           n_positions=64)),
+        "scratch-llama-6x256-docs-cosine": _llama(_scratch(6, 256, 4, "transformers-docs", "cosine", 20, 300)),
     }
     return {name: dict(setting, half=half) for half, group in (("tune", tune), ("report", report), ("fresh", fresh))
             for name, setting in group.items()}

@@ -1,5 +1,5 @@
 """The architectures most users now train (Llama, Qwen3, Gemma2: RMSNorm, rotary positions, gated MLPs,
-grouped-query attention; Gemma2's logit soft-capping and sliding window): what holds for GPT-2 holds for them."""
+grouped-query attention; Gemma2's logit soft-capping): what holds for GPT-2 holds for them."""
 
 from __future__ import annotations
 
