@@ -92,19 +92,25 @@ def fail_every_trial_and_jump(monkeypatch) -> None:
 UNDONE = dict(OUTER, learning_rate=1e-4, max_steps=100, include_num_input_tokens_seen=True)
 
 
-def test_an_undone_raise_gives_its_batches_back_so_the_run_stays_on_the_trainers_path(tmp_path, monkeypatch):
+@pytest.mark.parametrize("setting", ["default", "dataloader_workers", "bf16_weights"])
+def test_an_undone_raise_gives_its_batches_back_so_the_run_stays_on_the_trainers_path(tmp_path, monkeypatch, setting):
     """Every raise fails its trial and every jump is rejected: the undone updates are made up on their own batches, in
     their order, so the run ends at the plain Trainer's weights bit for bit. With dropout and evaluations, whose
     DataLoader seed draws come after as many of the Trainer's updates as the Trainer's, again after an undo. A batch
-    trained again after an undo counts its tokens once, as the Trainer's did."""
+    trained again after an undo counts its tokens once, as the Trainer's did. Also with two settings users often run:
+    worker processes, which load batches ahead of the loop that gives an undone trial's batches back, and a model held
+    in bf16 without autocast (`torch_dtype=torch.bfloat16`), whose undo copies and moves along Adam's step are bf16."""
     fail_every_trial_and_jump(monkeypatch)
-    settings = dict(UNDONE, eval_strategy="steps", eval_steps=7)
+    settings = dict(UNDONE, eval_strategy="steps", eval_steps=7,
+                    **(dict(dataloader_num_workers=2) if setting == "dataloader_workers" else {}))
+    dtype = torch.bfloat16 if setting == "bf16_weights" else torch.float32
     held_out = token_dataset(16, seed=1)
-    hybrid = make_trainer(tmp_path / "hybrid", model=tiny_gpt2(dropout=0.1), dataset=token_dataset(2048),
+    hybrid = make_trainer(tmp_path / "hybrid", model=tiny_gpt2(dropout=0.1).to(dtype), dataset=token_dataset(2048),
                           eval_dataset=held_out, **settings)
     hybrid.train()
     assert hybrid._lr_autopilot.scale.trials_undone >= 1 and hybrid.hybrid_stats()["predictions_kept"] == 0
-    plain = make_trainer(tmp_path / "plain", model=tiny_gpt2(dropout=0.1), dataset=token_dataset(2048),
+    assert next(hybrid.model.parameters()).dtype == dtype
+    plain = make_trainer(tmp_path / "plain", model=tiny_gpt2(dropout=0.1).to(dtype), dataset=token_dataset(2048),
                          eval_dataset=held_out, hybrid=False, **settings)
     plain.train()
     assert hybrid.state.global_step > plain.state.global_step == 100
@@ -116,32 +122,6 @@ def test_an_undone_raise_gives_its_batches_back_so_the_run_stays_on_the_trainers
     assert len(evals[1]) > len(evals[0]) == 15 and any(h["step"] != h["hybrid/updates"] for h in evals[1])
     by_updates = {h["hybrid/updates"]: h["eval_loss"] for h in evals[1]}
     assert by_updates == {float(h["step"]): h["eval_loss"] for h in evals[0]}
-
-
-@pytest.mark.parametrize("setting", ["dataloader_workers", "bf16_weights"])
-def test_an_undone_raise_stays_on_the_trainers_path_with_dataloader_workers_or_bf16_weights(tmp_path, monkeypatch,
-                                                                                            setting):
-    """Two settings users often run: worker processes, which load batches ahead of the loop that gives an undone
-    trial's batches back, and a model held in bf16 without autocast (`torch_dtype=torch.bfloat16`), whose undo copies
-    and moves along Adam's step are bf16 too. Every raise and jump is undone, and the run ends on the Trainer's weights
-    bit for bit."""
-    fail_every_trial_and_jump(monkeypatch)
-    extra = dict(dataloader_num_workers=2) if setting == "dataloader_workers" else {}
-
-    def model():
-        net = tiny_gpt2(dropout=0.1)
-        return net.to(torch.bfloat16) if setting == "bf16_weights" else net
-
-    runs = []
-    for hybrid in (True, False):  # each built just before it trains: building a Trainer seeds the RNG it trains on
-        runs.append(make_trainer(tmp_path / str(hybrid), model=model(), dataset=token_dataset(2048), hybrid=hybrid,
-                                 **UNDONE, **extra))
-        runs[-1].train()
-    hybrid, plain = runs
-    assert hybrid._lr_autopilot.scale.trials_undone >= 1 and hybrid.hybrid_stats()["rollbacks"] >= 1
-    assert hybrid.state.global_step > plain.state.global_step == 100
-    assert next(hybrid.model.parameters()).dtype == (torch.bfloat16 if setting == "bf16_weights" else torch.float32)
-    assert_bit_identical(state(plain.model), state(hybrid.model))
 
 
 def test_a_run_resumed_during_a_trial_that_is_then_undone_replays_the_same_batches(tmp_path, monkeypatch):
