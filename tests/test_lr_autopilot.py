@@ -13,6 +13,7 @@ from transformers import TrainerCallback
 
 from hf_hybrid import HybridHFTrainer
 from hf_hybrid.autopilot.line import SPACING
+from hf_hybrid.autopilot.scale import RaiseVerdict
 from hf_hybrid.autopilot.verdict import raise_gain
 from hf_hybrid.loop.adam_state import unreadable_optimizer
 from hf_hybrid.loop.forward_checks import probe_loss, probe_loss_by_sequence
@@ -44,6 +45,20 @@ def test_a_too_small_lr_is_raised_logged_and_named(tmp_out, caplog):
     assert f"raised the learning rate {scale.scale:.1f}x: 0.0001 -> {raised:.2g}" in caplog.text
     assert f"pass --learning_rate {raised:.2g} next time" in caplog.text
     assert "looks too small" not in caplog.text  # the autopilot's line says it
+    assert trainer.hybrid_stats()["lr_raises_kept_even"] == 0
+
+
+def test_raises_kept_on_even_verdicts_are_counted_and_the_end_line_asks_for_a_comparison(tmp_out, caplog, monkeypatch):
+    """Every verdict reads the raise behind the user's LR, within the noise: each raise is kept, counted as even, and
+    the end line does not advise the raised LR alone."""
+    monkeypatch.setattr("hf_hybrid.autopilot.runner.raise_gain", lambda *args: (-0.01, 0.02))
+    trainer = make_trainer(tmp_out, learning_rate=1e-4, **OUTER)
+    with caplog.at_level(logging.WARNING):
+        trainer.train()
+    stats, raised = trainer.hybrid_stats(), trainer._lr_autopilot.learning_rate
+    assert stats["lr_raises_kept"] >= 1 and stats["lr_raises_kept_even"] == stats["lr_raises_kept"], stats
+    assert f"compare --learning_rate 0.0001 and {raised:.2g} before passing the higher one" in caplog.text
+    assert "next time" not in caplog.text
 
 
 def test_the_flag_off_keeps_the_users_lr_exactly(tmp_out, caplog):
@@ -121,9 +136,10 @@ def test_a_verdict_cut_off_at_its_forward_puts_the_weights_back(tmp_out, monkeyp
     assert not scratch.valid
 
 
-@pytest.mark.parametrize(("gain", "noise", "kept"), [(0.01, 0.0, True), (-0.03, 0.02, True), (-0.05, 0.02, False),
-                                                    (-1e-6, 0.0, False)])
-def test_a_raise_is_undone_only_when_it_did_worse_by_more_than_the_noise(tmp_out, monkeypatch, gain, noise, kept):
+@pytest.mark.parametrize(("gain", "noise", "verdict"), [
+    (0.01, 0.0, RaiseVerdict.SHOWN), (0.05, 0.02, RaiseVerdict.SHOWN), (0.03, 0.02, RaiseVerdict.EVEN),
+    (-0.03, 0.02, RaiseVerdict.EVEN), (-0.05, 0.02, RaiseVerdict.WORSE), (-1e-6, 0.0, RaiseVerdict.WORSE)])
+def test_a_raise_is_undone_only_when_it_did_worse_by_more_than_the_noise(tmp_out, monkeypatch, gain, noise, verdict):
     trainer = make_trainer(tmp_out, learning_rate=1e-3, lr_scheduler_type="constant", **{**OUTER, "max_steps": 12})
     trainer.train()
     autopilot = trainer._lr_autopilot
@@ -136,10 +152,10 @@ def test_a_raise_is_undone_only_when_it_did_worse_by_more_than_the_noise(tmp_out
 
     monkeypatch.setattr("hf_hybrid.autopilot.runner.raise_gain", scripted)
     raised = (torch.tensor(4.0), None)
-    assert autopilot._raise_paid(raised) is kept  # the default margin: 2 standard errors
+    assert autopilot._raise_verdict(raised) is verdict  # the default margin: 2 standard errors
     assert asked == [pytest.approx(2.0)] and autopilot.last_verdict == (gain, noise)
     trainer._guard_loop.snapshot.invalidate()  # no undo point: nothing to judge against
-    assert autopilot._raise_paid(raised) is False and len(asked) == 1
+    assert autopilot._raise_verdict(raised) is RaiseVerdict.WORSE and len(asked) == 1
 
 
 def other_optimizer(kind: str, model) -> torch.optim.Optimizer:

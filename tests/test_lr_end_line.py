@@ -15,6 +15,16 @@ def test_a_kept_raise_is_advised():
                                     "undone); pass --learning_rate 0.0004 next time.")
 
 
+def test_a_raise_kept_on_an_even_verdict_is_not_advised_alone():
+    """Near a tuned LR an even verdict keeps raises that end either way (scratch-2x128-code-linear at its swept 1.5e-3:
+    kept on a gain of -0.022 against a standard error of 0.021, it ended 0.163 above the Trainer)."""
+    scale = LrScale(scale=2.0, raises_kept=1, kept_even=1)
+    assert end_line(scale, RUN) == (
+        "hf_hybrid: raised the learning rate 2.0x: 0.0001 -> 0.0002 (1 raise kept, 0 undone); 1 of the kept raises "
+        "read even on the probe (not shown to pay), and near a tuned learning rate such a raise can end a run either "
+        "way: compare --learning_rate 0.0001 and 0.0002 before passing the higher one.")
+
+
 def test_a_raise_still_on_trial_at_the_end_is_named_and_only_the_judged_lr_advised():
     judged_before = LrScale(scale=8.0, trial_from=4.0, raises_kept=2)
     assert end_line(judged_before, RUN) == (

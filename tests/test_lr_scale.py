@@ -8,7 +8,7 @@ import math
 import pytest
 
 from hf_hybrid.autopilot.line import SPACING
-from hf_hybrid.autopilot.scale import LrScale, reach_of_line
+from hf_hybrid.autopilot.scale import LrScale, RaiseVerdict, reach_of_line
 
 
 def read(s: LrScale, loss: float, bottom: float, steps: int = 10, schedule_factor: float = 1.0,
@@ -21,7 +21,7 @@ def read(s: LrScale, loss: float, bottom: float, steps: int = 10, schedule_facto
         u = bottom / SPACING  # the bottom in units of the line's spacing
         f0, f1, f2 = (loss + 0.01 * ((x - u) ** 2 - u**2) for x in (0.0, 1.0, 2.0))
     return s.reading(f0, f1, f2, spacing=SPACING, steps=steps, schedule_factor=schedule_factor, frozen=frozen,
-                     trial_paid=paid, first_descent=first_descent)
+                     trial_verdict=RaiseVerdict.SHOWN if paid else RaiseVerdict.WORSE, first_descent=first_descent)
 
 
 def test_the_reach_is_where_the_line_bottoms_out():

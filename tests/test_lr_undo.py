@@ -8,7 +8,7 @@ import torch
 from transformers import TrainerCallback
 
 from hf_hybrid import HybridHFTrainer
-from hf_hybrid.autopilot.scale import LrScale
+from hf_hybrid.autopilot.scale import LrScale, RaiseVerdict
 from hf_hybrid.jumps.engine import HybridEngine
 
 from .conftest import hybrid_args, make_trainer, reject_every_jump, tiny_gpt2, token_dataset
@@ -31,8 +31,8 @@ def test_an_undone_raise_puts_back_the_weights_before_its_first_update(tmp_out, 
     original = LrScale.reading
     undone_at, raised_at, cycles_in_trial, undo_points = [], [], [], set()
 
-    def fail_every_trial(self, f0, f1, f2, **kwargs):
-        return original(self, f0, f1, f2, **{**kwargs, "trial_paid": False})  # the verdict's forwards still run
+    def fail_every_trial(self, f0, f1, f2, **kwargs):  # the verdict's forwards still run
+        return original(self, f0, f1, f2, **{**kwargs, "trial_verdict": RaiseVerdict.WORSE})
 
     monkeypatch.setattr(LrScale, "reading", fail_every_trial)
     model = tiny_gpt2()
@@ -81,8 +81,8 @@ def test_an_undone_raise_puts_back_the_weights_before_its_first_update(tmp_out, 
 def fail_every_trial_and_jump(monkeypatch) -> None:
     original = LrScale.reading
 
-    def fail_every_trial(self, f0, f1, f2, **kwargs):
-        return original(self, f0, f1, f2, **{**kwargs, "trial_paid": False})  # the verdict's forwards still run
+    def fail_every_trial(self, f0, f1, f2, **kwargs):  # the verdict's forwards still run
+        return original(self, f0, f1, f2, **{**kwargs, "trial_verdict": RaiseVerdict.WORSE})
 
     monkeypatch.setattr(LrScale, "reading", fail_every_trial)
     reject_every_jump(monkeypatch)

@@ -1,5 +1,8 @@
 """The autopilot's end line: what it did to the learning rate, and what to pass next time, from what the run decided.
-It advises only a learning rate that was judged: one under trial at the end is named, not advised."""
+It advises only a learning rate that was judged: one under trial at the end is named, not advised. Nor is one reached
+through a raise kept on an even verdict (autopilot/scale.py, RaiseVerdict): near a tuned learning rate such a raise
+can end a run above or below the Trainer (docs/benchmarks.md, "What the raise verdict tells near a tuned LR"), so the
+line asks the user to compare the two learning rates instead."""
 
 from __future__ import annotations
 
@@ -25,18 +28,16 @@ def end_line(scale: LrScale, run: RunEnd) -> str | None:
     tried = f"{s.raises_kept} raise{'' if s.raises_kept == 1 else 's'} kept, {s.trials_undone} undone"
     if s.on_trial:  # the run ended before the verdict (a jump held the reading back): advise only what was judged
         judged = user * s.trial_from
-        advice = (f"pass --learning_rate {judged:.2g} next time" if s.trial_from != 1.0 else
-                  f"--learning_rate {user:.2g} stands")
         return (f"hf_hybrid: training ended before a {s.trial_raise:.1f}x raise of the learning rate "
-                f"({judged:.2g} -> {raised:.2g}) could be judged ({tried}); {advice}.")
+                f"({judged:.2g} -> {raised:.2g}) could be judged ({tried}); {_advice(s, user, judged)}.")
     if run.cooldown_steps is not None:
         return (f"hf_hybrid: raised the learning rate {s.scale:.1f}x: {user:.2g} -> {raised:.2g} ({tried}), and "
                 f"brought it back to {user:.2g} over the last {run.cooldown_steps} steps, since this schedule has no "
                 f"decay of its own; a constant {raised:.2g} is not advised: a higher constant learning rate can end a "
                 f"run higher.")
     if s.scale != 1.0:
-        return (f"hf_hybrid: raised the learning rate {s.scale:.1f}x: {user:.2g} -> {raised:.2g} ({tried}); pass "
-                f"--learning_rate {raised:.2g} next time.")
+        return (f"hf_hybrid: raised the learning rate {s.scale:.1f}x: {user:.2g} -> {raised:.2g} ({tried}); "
+                f"{_advice(s, user, raised)}.")
     if s.trials_undone:
         return f"hf_hybrid: the learning rate {user:.2g} was kept: {tried}."
     if run.readings:  # all it did was read: say what that cost
@@ -46,3 +47,13 @@ def end_line(scale: LrScale, run: RunEnd) -> str | None:
                 f"{run.reading_seconds:.1f} s, {100 * share:.1f}% of this train() call's time; --hybrid_lr_autopilot "
                 f"false skips the readings where the learning rate is known to be right.")
     return None
+
+
+def _advice(s: LrScale, user: float, judged: float) -> str:
+    if judged == user:
+        return f"--learning_rate {user:.2g} stands"
+    if s.kept_even:
+        return (f"{s.kept_even} of the kept raises read even on the probe (not shown to pay), and near a tuned "
+                f"learning rate such a raise can end a run either way: compare --learning_rate {user:.2g} and "
+                f"{judged:.2g} before passing the higher one")
+    return f"pass --learning_rate {judged:.2g} next time"

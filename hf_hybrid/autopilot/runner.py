@@ -30,7 +30,7 @@ from .cooldown import cooldown_start, cooled_scale
 from .end_line import RunEnd, end_line
 from .line import SPACING, next_step_line
 from .ramp import RaiseRamp
-from .scale import LrScale
+from .scale import LrScale, RaiseVerdict
 from .setup import inner_scheduler, lr_autopilot_missing, unscalable_schedule
 from .verdict import raise_gain
 
@@ -186,7 +186,7 @@ class LrAutopilot:
             decision = scale.reading(*line, spacing=SPACING, steps=step - self.last_reading,
                                      schedule_factor=self._schedule_factor() * self.ramp.share(before, position - 1),
                                      frozen=self._frozen() or self.ramp.under_way(before, position),
-                                     trial_paid=scale.on_trial and self._raise_paid(raised=(local[0], rows)),
+                                     trial_verdict=self._raise_verdict((local[0], rows)) if scale.on_trial else None,
                                      aligned=self.alignment.aligned is True,
                                      strongly_aligned=self.alignment.strongly_aligned is True,
                                      opposed=self.alignment.opposed is True,
@@ -220,21 +220,21 @@ class LrAutopilot:
             torch.cuda.synchronize()
         return time.perf_counter()
 
-    def _raise_paid(self, raised: tuple[torch.Tensor, torch.Tensor | None]) -> bool:
+    def _raise_verdict(self, raised: tuple[torch.Tensor, torch.Tensor | None]) -> RaiseVerdict:
         """The verdict on the raise under trial (autopilot/verdict.py, which says why an even result keeps it), as its
         steps took it (autopilot/ramp.py), given the probe's loss at the raised weights and each sequence's, unreduced
         (the reading's first forward). With no undo point (a trial whose steps the guard all vetoed), the raise cannot
         be judged and is undone."""
         trainer, undo_point, scale = self.trainer, self.guard_loop.snapshot, self.scale
         if not undo_point.valid:
-            return False
+            return RaiseVerdict.WORSE
         made_up = trainer.hybrid_engine.made_up_steps - undo_point.made_up  # steps the schedule took again
         taken = self.ramp.mean_raise(scale.trial_from, scale.scale, self._scheduler.last_epoch,
                                      trainer.state.global_step - undo_point.step - made_up)
         gain, noise = raise_gain(trainer, trainer.model_wrapped, trainer.hybrid_engine.shards(), self.scratch,
                                  self.probe, undo_point, taken, raised)
         self.last_verdict = (gain, noise)
-        return gain + trainer.hybrid_config.jumps.checks.probe_noise_margin * noise >= 0
+        return RaiseVerdict.of(gain, noise, trainer.hybrid_config.jumps.checks.probe_noise_margin)
 
     def _undo(self, step: int, tried: float) -> None:
         undone = 0

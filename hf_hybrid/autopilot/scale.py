@@ -50,6 +50,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass, fields
+from enum import Enum
 
 
 def reach_of_line(f0: float, f1: float, f2: float) -> float:
@@ -87,6 +88,19 @@ STEADY_REACH = 1.0  # the median of that many readings in a row asks for a raise
 STEADY_TARGET = 0.5  # and the raise aims it here, inside what tuned runs read
 
 
+class RaiseVerdict(Enum):
+    """How the raised steps did on the probe against the user's LR over the same batches (autopilot/verdict.py), in
+    standard errors of the difference: beyond the noise margin ahead, within it either way, or beyond it behind."""
+
+    SHOWN = "shown"
+    EVEN = "even"  # kept: a raise's worth accrues over more steps than a trial sees; not shown to pay either
+    WORSE = "worse"
+
+    @classmethod
+    def of(cls, gain: float, noise: float, margin: float) -> RaiseVerdict:
+        return cls.SHOWN if gain > margin * noise else cls.EVEN if gain + margin * noise >= 0 else cls.WORSE
+
+
 @dataclass
 class LrScale:
     scale: float = 1.0
@@ -96,6 +110,7 @@ class LrScale:
     wait: int = 0  # readings before the next raise may start
     failures: int = 0  # trials undone in a row
     raises_kept: int = 0
+    kept_even: int = 0  # of them, kept on an even verdict: near a tuned LR such a raise can end either way
     trials_undone: int = 0
     lowered: int = 0
     readings: int = 0  # each runs three probe forwards (what they cost: autopilot/runner.py, READ_EVERY)
@@ -104,14 +119,14 @@ class LrScale:
     previous: float | None = None  # the last reading's reach where a raise may start, in today's steps
 
     def reading(self, f0: float, f1: float, f2: float, spacing: float, steps: int, schedule_factor: float,
-                frozen: bool, trial_paid: bool = False, aligned: bool = False,
+                frozen: bool, trial_verdict: RaiseVerdict | None = None, aligned: bool = False,
                 strongly_aligned: bool = False, opposed: bool = False, first_descent: bool = False) -> str | None:
         """One reading, `steps` real steps after the last; `frozen`: no raise may start now (the schedule's warmup or
-        final decay); `trial_paid`: on a trial, the verdict on the raise; `aligned`: the run's first steps said its LR
-        is far too small (autopilot/alignment.py), so one long line asks for a raise, of up to MAX_ALIGNED_RAISE, or
-        MAX_STRONGLY_ALIGNED_RAISE where they said it `strongly_aligned`; `opposed`: they said its steps overshoot, so
-        no raise starts at all; `first_descent`: a run with a short warmup or none is still in its first descent,
-        where a line shorter than FIRST_DESCENT_REACH counts as frozen.
+        final decay); `trial_verdict`: on a trial, the verdict on the raise (shown and even keep it); `aligned`: the
+        run's first steps said its LR is far too small (autopilot/alignment.py), so one long line asks for a raise, of
+        up to MAX_ALIGNED_RAISE, or MAX_STRONGLY_ALIGNED_RAISE where they said it `strongly_aligned`; `opposed`: they
+        said its steps overshoot, so no raise starts at all; `first_descent`: a run with a short warmup or none is
+        still in its first descent, where a line shorter than FIRST_DESCENT_REACH counts as frozen.
         Returns what the trainer must do: "raise", "keep" (a trial passed; the scale may have risen again), "undo"
         (restore the undo point: the scale is already back), or None."""
         self.readings += 1
@@ -124,8 +139,9 @@ class LrScale:
         verdict = None
         if self.trial_from is not None:
             self.recent = ()  # the readings before the trial were at another scale
-            if trial_paid and math.isfinite(f0):
+            if trial_verdict in (RaiseVerdict.SHOWN, RaiseVerdict.EVEN) and math.isfinite(f0):
                 verdict, self.failures, self.raises_kept = "keep", 0, self.raises_kept + 1
+                self.kept_even += trial_verdict is RaiseVerdict.EVEN
                 self.trial_from = None
             else:
                 self.scale, self.trial_from, self.last_loss = self.trial_from, None, self.trial_loss
@@ -196,12 +212,12 @@ class LrScale:
 
     def stats(self) -> dict:
         """For `hybrid_stats()` (with autopilot/setup.py's `plain_stats` where the autopilot is off)."""
-        return {"lr_scale": self.scale, "lr_raises_kept": self.raises_kept, "lr_trials_undone": self.trials_undone,
-                "lr_lowered": self.lowered, "lr_readings": self.readings}
+        return {"lr_scale": self.scale, "lr_raises_kept": self.raises_kept, "lr_raises_kept_even": self.kept_even,
+                "lr_trials_undone": self.trials_undone, "lr_lowered": self.lowered, "lr_readings": self.readings}
 
     def state_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     def load_state_dict(self, state: dict) -> None:
-        for f in fields(self):
-            setattr(self, f.name, state[f.name])
+        for f in fields(self):  # a checkpoint saved before a field was added resumes with its default
+            setattr(self, f.name, state.get(f.name, f.default))
