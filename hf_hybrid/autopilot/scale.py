@@ -219,5 +219,5 @@ class LrScale:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     def load_state_dict(self, state: dict) -> None:
-        for f in fields(self):  # a checkpoint saved before a field was added resumes with its default
-            setattr(self, f.name, state.get(f.name, f.default))
+        for f in fields(self):
+            setattr(self, f.name, state[f.name])
