@@ -5,7 +5,7 @@ The autopilot keeps a raise unless it reads worse than the user's LR by more tha
 errors (hf_hybrid/autopilot/verdict.py). This lists where kept raises fall on z, at LRs where a raise pays and at tuned
 ones where it should not be kept, which is what a stricter keep rule would move.
 
-    python scripts/raise_verdicts.py runs/census --out docs/reports/raise-verdicts.json
+    python scripts/raise_verdicts.py runs/census --out docs/reports/raise-verdicts/verdicts-v12-avx2-seed0.json
 """
 
 from __future__ import annotations
@@ -50,8 +50,9 @@ def main() -> None:
             continue  # still running
         run = {"run": str(trace.parent.relative_to(args.runs)), **run_end(trace.parent), "verdicts": verdicts(trace)}
         report.append(run)
-        cells = " | ".join(f"@{v['step']} {v['gain']:+.4f} se {v['noise']:.4f} z {v['z']:+.1f} "
-                           f"{'kept' if v['kept'] else 'undone'}" for v in run["verdicts"])
+        cells = " | ".join(f"@{v['step']} {v['gain']:+.4f} se {v['noise']:.4f} z "
+                           f"{'-' if v['z'] is None else format(v['z'], '+.1f')} {'kept' if v['kept'] else 'undone'}"
+                           for v in run["verdicts"])
         print(f"{run['run']:66} {run['final_eval_loss']:.4f} x{run['lr_scale']:<5.3g} {cells or 'no verdict'}")
     if args.out:
         args.out.write_text(json.dumps(report, indent=1))
