@@ -25,7 +25,7 @@ demo: setup
 	@$(BIN)/python scripts/demo.py
 
 test: setup
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup tests
 
 lint: setup
 	$(BIN)/ruff check .

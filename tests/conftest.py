@@ -10,6 +10,11 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Under pytest-xdist each worker, and every process it launches, computes on one thread: two workers on two cores
+# would otherwise each spin two.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 from datasets import Dataset  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402

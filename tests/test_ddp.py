@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from .two_ranks import run_two_ranks
+from .two_ranks import free_port, run_two_ranks
 
 HERE = Path(__file__).parent
 
@@ -17,8 +17,8 @@ HERE = Path(__file__).parent
 def launch_two_ranks(worker: str, out_dir: Path, *worker_args: str) -> list[dict]:
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(HERE / worker),
-           str(out_dir), *worker_args]
+           "--num_machines", "1", "--main_process_port", str(free_port()), "--mixed_precision", "no",
+           "--dynamo_backend", "no", str(HERE / worker), str(out_dir), *worker_args]
     return run_two_ranks(cmd, out_dir, env)
 
 

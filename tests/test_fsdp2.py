@@ -6,13 +6,12 @@ residual fit's one small all-reduce per Correct step."""
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from pathlib import Path
 
 import pytest
 
-from .two_ranks import run_two_ranks
+from .two_ranks import free_port, run_two_ranks
 
 WORKER = Path(__file__).with_name("fsdp2_worker.py")
 
@@ -20,10 +19,7 @@ WORKER = Path(__file__).with_name("fsdp2_worker.py")
 @pytest.mark.parametrize("predictor", ["velocity", "adam", "outer"])
 def test_engine_on_fsdp2_shards_needs_no_communication(tmp_path, predictor):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            str(WORKER), str(tmp_path), predictor]
     ranks = run_two_ranks(cmd, tmp_path, env)
     for rank in ranks:

@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PRETRAINED = ROOT / "runs" / "pretrained" / "gpt2-smoke"
 
 
+@pytest.mark.xdist_group("smoke-checkpoint")  # under pytest-xdist, in one worker with tests that load it
 def test_the_gpu_suite_runs_every_part_on_the_smoke_presets(tmp_path):
     shutil.rmtree(PRETRAINED, ignore_errors=True)  # the fine-tuning part must make its checkpoint inside the call
     env = {**os.environ, "PRESET": "smoke", "NO_WHEELS": "1", "PY": sys.executable, "OUT": str(tmp_path / "out"),

@@ -24,6 +24,8 @@ def test_the_speedup_is_read_where_the_loss_first_reaches_the_target():
     assert trl_check.speedups(baseline, {"evals": [[0, 0.0, 1.0], [10, 5.0, 0.85]]}) is None
 
 
+# Under pytest-xdist, in one worker with the GPU suite's test, which deletes and remakes the smoke checkpoint.
+@pytest.mark.xdist_group("smoke-checkpoint")
 @pytest.mark.parametrize("trainer", ["sft", "dpo"])
 def test_an_arm_trains_trls_trainer_or_its_hybrid_and_records_held_out_losses(tmp_path, monkeypatch, trainer):
     pytest.importorskip("trl")

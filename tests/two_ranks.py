@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 from pathlib import Path
 
@@ -20,3 +21,10 @@ def run_two_ranks(cmd: list[str], out_dir: Path, env: dict[str, str]) -> list[di
     shutdown_abort = written and "terminate called without an active exception" in done.stderr
     assert done.returncode == 0 or shutdown_abort, done.stderr[-3000:]
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def free_port() -> int:
+    """A port no other process listens on now: two launches at once (pytest-xdist's workers) must not share one."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
