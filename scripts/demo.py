@@ -199,8 +199,9 @@ def summary(faults_report: dict, speed: dict, swept: dict | None, out: Path, sec
         f"{stats['jump_worth_steps']:.0f} real steps" if stats["predictions_judged"] else "  no jump was judged",
     ]
     raised = speed["learning_rate"] * stats["lr_scale"]
+    even = f" ({stats['lr_raises_kept_even']} on an even probe reading)" if stats["lr_raises_kept_even"] else ""
     lines.append(f"  LR autopilot: {speed['learning_rate']:.2g} -> {raised:.2g} ({stats['lr_scale']:.1f}x; raises: "
-                 f"{stats['lr_raises_kept']} kept, {stats['lr_trials_undone']} undone)")
+                 f"{stats['lr_raises_kept']} kept{even}, {stats['lr_trials_undone']} undone)")
     if swept is not None:
         lines.append(f"  at the swept LR (recorded: {swept['path']}): {swept['result']}")
     if (finetune := recorded_finetune()) is not None:

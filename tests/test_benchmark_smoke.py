@@ -41,6 +41,8 @@ def test_benchmark_smoke_writes_report_and_plot(tmp_path):
     # The readings' own clock, so that what they cost on a GPU is measured in an A/B run, not inferred.
     assert stats["lr_readings"] > 0 and hybrid["timing"]["lr_readings"] > 0
     assert "lr autopilot readings, verdicts and undos" in done.stdout
+    # The hybrid arm's end line about the learning rate, as a user's own run shows it.
+    assert any(line.startswith("  hf_hybrid: ") and "learning rate" in line for line in done.stdout.splitlines())
     # Updates spent, beside each eval: the Trainer's steps, and the hybrid's steps that ran a backward.
     assert [e[3] for e in baseline["evals"]] == [e[0] for e in baseline["evals"]]
     assert hybrid["evals"][-1][3] == stats["backward_steps"] < hybrid["evals"][-1][0]
