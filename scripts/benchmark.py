@@ -89,7 +89,7 @@ def main() -> None:
                              "or the hybrid (with --set; the autopilot against the Trainer at each LR)")
     parser.add_argument("--faults", default="window,spike,nan",
                         help="faults mode: which faults to inject, from window, spike, nan")
-    parser.add_argument("--repeats", type=int, default=2, help="baseline/hybrid pairs, run alternately")
+    parser.add_argument("--repeats", type=int, default=2, help="baseline/hybrid pairs; odd pairs run the hybrid first where no target or peer arm stops them")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max_steps", type=int, default=0, help="override the preset's baseline steps")
     parser.add_argument("--grad_accum", type=int, default=0,
@@ -138,7 +138,14 @@ def main() -> None:
     peer_lrs = {"ema": lr, "sf": lr, "sf-swept": sf_swept_lr, "swept": swept_lr, "prodigy": 1.0, "mechanic": 1.0}
     peers = {name: [] for name in PEER_ARMS if name in args.arms.split(",")}
     baselines, hybrids = [], []
+    target = None
     for r in range(args.repeats):
+        # Odd pairs run the hybrid first where they may, so that whatever the machine does to the second run of a pair
+        # falls on each arm alike; it chases the previous pair's target, which `alternates` makes this pair's too.
+        hybrid_first = r % 2 == 1 and alternates(args, peers)
+        if hybrid_first:
+            hyb = launch("hybrid", args, root / f"hybrid-{r}", target=target if args.mode == "speed" else None,
+                         overrides=overrides, learning_rate=lr)
         base = launch("baseline", args, root / f"baseline-{r}", target=None, overrides={}, learning_rate=lr)
         target = base.evals[-1][2]
         baselines.append(base)
@@ -149,8 +156,9 @@ def main() -> None:
         # Outside the speed mode both arms run the same steps; in it the hybrid chases the target, or the swept
         # Trainer's loss where that is lower.
         chase = min(target, peers["swept"][-1].evals[-1][2]) if "swept" in peers else target
-        hyb = launch("hybrid", args, root / f"hybrid-{r}", target=chase if args.mode == "speed" else None,
-                     overrides=overrides, learning_rate=lr)
+        if not hybrid_first:
+            hyb = launch("hybrid", args, root / f"hybrid-{r}", target=chase if args.mode == "speed" else None,
+                         overrides=overrides, learning_rate=lr)
         hybrids.append(hyb)
         print(f"[pair {r}] baseline {base.train_seconds:.1f}s eval {target:.4f} | hybrid {hyb.train_seconds:.1f}s "
               f"eval {hyb.evals[-1][2]:.4f} reached={hyb.reached_step}", flush=True)
@@ -188,6 +196,13 @@ def main() -> None:
     (root / "report.json").write_text(json.dumps(report, indent=2))
     print_table(report)
     plot(root, baselines[0], hybrids[0], target)
+
+
+def alternates(args, peers: dict) -> bool:
+    """Whether odd pairs run the hybrid before the Trainer: where the hybrid needs no target, or where it needs the
+    Trainer's final loss and every pair's Trainer ends bit for bit alike (`--full_determinism`), so the previous
+    pair's serves. With peer arms, or a target the kernels' last digits move, the Trainer runs first every time."""
+    return not peers and (args.mode != "speed" or args.full_determinism)
 
 
 def sweep(args, root: Path, overrides: dict) -> None:
