@@ -89,7 +89,9 @@ def main() -> None:
                              "or the hybrid (with --set; the autopilot against the Trainer at each LR)")
     parser.add_argument("--faults", default="window,spike,nan",
                         help="faults mode: which faults to inject, from window, spike, nan")
-    parser.add_argument("--repeats", type=int, default=2, help="baseline/hybrid pairs; odd pairs run the hybrid first where no target or peer arm stops them")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="baseline/hybrid pairs; odd pairs run the hybrid first where no target or peer arm "
+                             "stops them")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max_steps", type=int, default=0, help="override the preset's baseline steps")
     parser.add_argument("--grad_accum", type=int, default=0,
