@@ -6,8 +6,7 @@
    the preset's swept learning rate (the LR a user runs without a sweep), timed to the Trainer's final eval loss; the
    swept-LR result is quoted beside it from its recorded report.
 
-Everything runs in this process on one tokenized copy of the shipped corpus; reports and plots go to --output_dir.
-
+Everything runs in this process on one tokenized copy of the shipped corpus; reports and plots go to --output_dir:
     python scripts/demo.py                 # the demo preset
     python scripts/demo.py --preset smoke  # seconds, for the test
 """
@@ -198,10 +197,10 @@ def summary(faults_report: dict, speed: dict, swept: dict | None, out: Path, sec
         f"  {stats['predictions_kept']} of {stats['predictions_judged']} jumps kept, worth about "
         f"{stats['jump_worth_steps']:.0f} real steps" if stats["predictions_judged"] else "  no jump was judged",
     ]
-    raised = speed["learning_rate"] * stats["lr_scale"]
-    even = f" ({stats['lr_raises_kept_even']} on an even probe reading)" if stats["lr_raises_kept_even"] else ""
-    lines.append(f"  LR autopilot: {speed['learning_rate']:.2g} -> {raised:.2g} ({stats['lr_scale']:.1f}x; raises: "
-                 f"{stats['lr_raises_kept']} kept{even}, {stats['lr_trials_undone']} undone)")
+    lr, even = speed["learning_rate"], stats["lr_raises_kept_even"]
+    lines.append(f"  LR autopilot: {lr:.2g} -> {lr * stats['lr_scale']:.2g} ({stats['lr_scale']:.1f}x; raises: "
+                 f"{stats['lr_raises_kept']} kept{f' ({even} on an even probe reading)' if even else ''}, "
+                 f"{stats['lr_trials_undone']} undone)")
     if swept is not None:
         lines.append(f"  at the swept LR (recorded: {swept['path']}): {swept['result']}")
     if (finetune := recorded_finetune()) is not None:
