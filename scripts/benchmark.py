@@ -55,7 +55,7 @@ def launch(arm: str, args, out_dir: Path, target: float | None, overrides: dict,
     done = subprocess.run(cmd, env=env, stderr=subprocess.PIPE, text=True)  # its progress lines go to the screen
     if done.returncode != 0:
         sys.exit(f"benchmark: the {arm} arm failed:\n{done.stderr[-4000:]}")
-    for line in done.stderr.splitlines():  # the trainer's end lines, which a user's own run shows them
+    for line in done.stderr.splitlines():  # the trainer's end lines, as a user's own run shows them
         if "hf_hybrid: " in line:
             print(f"  {line[line.index('hf_hybrid: '):]}", flush=True)
     return ArmResult(**json.loads((out_dir / "arm_result.json").read_text()))
