@@ -140,11 +140,11 @@ def main() -> None:
     peer_lrs = {"ema": lr, "sf": lr, "sf-swept": sf_swept_lr, "swept": swept_lr, "prodigy": 1.0, "mechanic": 1.0}
     peers = {name: [] for name in PEER_ARMS if name in args.arms.split(",")}
     baselines, hybrids = [], []
-    target = None
+    target, alternating = None, alternates(args, peers)
     for r in range(args.repeats):
         # Odd pairs run the hybrid first where they may, so that whatever the machine does to the second run of a pair
         # falls on each arm alike; it chases the previous pair's target, which `alternates` makes this pair's too.
-        hybrid_first = r % 2 == 1 and alternates(args, peers)
+        hybrid_first = r % 2 == 1 and alternating
         if hybrid_first:
             hyb = launch("hybrid", args, root / f"hybrid-{r}", target=target if args.mode == "speed" else None,
                          overrides=overrides, learning_rate=lr)
