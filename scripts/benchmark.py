@@ -142,8 +142,8 @@ def main() -> None:
     baselines, hybrids = [], []
     target, alternating = None, alternates(args, peers)
     for r in range(args.repeats):
-        # Odd pairs run the hybrid first where they may, so that whatever the machine does to the second run of a pair
-        # falls on each arm alike; it chases the previous pair's target, which `alternates` makes this pair's too.
+        # Odd pairs run the hybrid first where they may, so that the machine's speed drifting across a pair falls on
+        # each arm alike; it chases the previous pair's target, which `alternates` makes this pair's too.
         hybrid_first = r % 2 == 1 and alternating
         if hybrid_first:
             hyb = launch("hybrid", args, root / f"hybrid-{r}", target=target if args.mode == "speed" else None,
