@@ -248,11 +248,6 @@ class HybridMixin(TrlLogsKept):
                 lines = [*jump_advice(self.hybrid_stats(), self.args.learning_rate, use), self.step_veto.end_line()]
                 for line in filter(None, [*lines, autopilot and autopilot.summary(), self._jump_clock.advice()]):
                     logger.warning(line)
-        if self._hybrid_trace is not None:
-            self._hybrid_trace.close()
-            self._hybrid_trace = None
-        if self._vram is not None:
-            self._vram.shutdown()
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self._hybrid is not None:
@@ -288,9 +283,14 @@ class HybridMixin(TrlLogsKept):
     def train(self, *args, **kwargs) -> TrainOutput:
         try:
             output = super().train(*args, **kwargs)
-        finally:  # also when cut off (Ctrl-C, an error): a jump awaiting its verdict is undone, as at the run's end
+        finally:  # also when cut off (Ctrl-C, an error): an unjudged jump is undone, the trace file and NVML let go
             if self._hybrid is not None:
                 self._hybrid.finish()
+            if self._hybrid_trace is not None:
+                self._hybrid_trace.close()
+                self._hybrid_trace = None
+            if self._vram is not None:
+                self._vram.shutdown()
         if self._guard_loop is not None and self._guard_loop.stop_message is not None:
             raise GuardStoppedError(self._guard_loop.stop_message)
         return output

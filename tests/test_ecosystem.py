@@ -3,6 +3,7 @@ pop the labels, and the one-line errors for set-ups that cannot work. TRL's trai
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
@@ -18,6 +19,7 @@ from transformers import (
 )
 
 from hf_hybrid import HybridHFTrainer, HybridMixin, HybridTrainingArguments, Phase
+from hf_hybrid.trace import TRACE_NAME
 
 from .conftest import FAST_SCHEDULE, flat_params, hybrid_args, make_trainer, tiny_gpt2, token_dataset
 
@@ -232,16 +234,33 @@ def test_unsupported_setups_fail_in_one_line(tmp_path, overrides, needles):
         assert needle in message
 
 
-def test_unsupported_setup_leaves_no_open_trace_file(tmp_path):
-    trainer = make_trainer(tmp_path / "out", max_steps=3, hybrid_predictor="adam", optim="sgd")
+class _CutOffAtStep2(TrainerCallback):
+    """Raises at step 2's end, holding on to the trace file the run has open then."""
+
+    def __init__(self, trainer):
+        self.trainer, self.trace = trainer, None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 2:
+            self.trace = self.trainer._hybrid_trace
+            raise RuntimeError("cut off at step 2")
+
+
+def test_a_failed_train_leaves_no_open_trace_file(tmp_path):
+    # A setup error comes before the trace would open: no file at all.
+    trainer = make_trainer(tmp_path / "setup", max_steps=3, hybrid_predictor="adam", optim="sgd")
     with pytest.raises(ValueError, match="velocity"):
         trainer.train()
-    trace = trainer._hybrid_trace
-    try:
-        assert trace is None or trace.closed, "hybrid_trace.jsonl left open after a failed train()"
-    finally:
-        if trace is not None:
-            trace.close()
+    assert not (tmp_path / "setup" / TRACE_NAME).exists()
+    # An error once it is open: the steps so far stay in it, and the file is closed.
+    trainer = make_trainer(tmp_path / "cut", max_steps=5)
+    cut_off = _CutOffAtStep2(trainer)
+    trainer.add_callback(cut_off)
+    with pytest.raises(RuntimeError, match="cut off at step 2"):
+        trainer.train()
+    assert cut_off.trace is not None and cut_off.trace.closed, "hybrid_trace.jsonl left open after a failed train()"
+    rows = [json.loads(line) for line in (tmp_path / "cut" / TRACE_NAME).read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2]
 
 
 # ---- bf16 autocast on CPU -----------------------------------------------------------------------------
