@@ -31,7 +31,8 @@ class HybridTrainingArguments(TrainingArguments):
         hybrid (`bool`, defaults to `True`):
             Turn hybrid training on. `False` makes [`HybridHFTrainer`] the plain `Trainer`, bit for bit.
         hybrid_predict (`bool`, defaults to `True`):
-            Predict weight updates. `False` keeps only the guard: every step is a real step, protected.
+            Predict weight updates. `False` turns the jumps off: every step is a real step; the guard and the LR
+            autopilot stay on.
         hybrid_warmup_steps (`int`, defaults to `100`):
             Plain optimizer steps at the start that only collect statistics.
         hybrid_full_steps (`int`, defaults to `20`):
@@ -152,7 +153,7 @@ class HybridTrainingArguments(TrainingArguments):
 
     hybrid: bool = field(default=True, metadata={"help": "Turn hybrid predictive training on (false = plain Trainer)."})
     hybrid_predict: bool = field(
-        default=True, metadata={"help": "Predict weight updates (false = only the guard, every step real)."}
+        default=True, metadata={"help": "Jumps (false = every step real; the guard and the autopilot stay)."}
     )
     hybrid_warmup_steps: int = field(default=100, metadata={"help": "Plain steps that only collect statistics."})
     hybrid_full_steps: int = field(
