@@ -41,6 +41,7 @@ def test_under_torch_compile_ddp_stays_in_the_loop_and_the_side_forwards_compile
     assert all(rank["through_ddp"] for rank in ranks)
     assert ranks[0]["final"] == ranks[1]["final"] and ranks[0]["stats"] == ranks[1]["stats"]
     assert ranks[0]["recompiles"] == ranks[1]["recompiles"] == []
+    assert all(rank["control_logged"] for rank in ranks)  # the log caught the no-grad forward after training
 
 
 @pytest.mark.parametrize("kind", ["sft", "dpo"])

@@ -152,7 +152,9 @@ def test_resume_inside_the_ramp_is_bit_identical(tmp_path, monkeypatch):
     settings = dict(save_strategy="steps", save_steps=13)
     full_run, _ = _strongly_aligned_run(monkeypatch, tmp_path / "full", **settings)
     full_run.train()
-    resumed_model = tiny_gpt2()
+    lrs = _lr_scales(full_run)
+    assert 1.0 < lrs[12] < lrs[13], "step 13, the checkpoint's, is inside the ramp"
+    resumed_model = tiny_gpt2(seed=123)  # everything the run goes on with must come from the checkpoint
     resumed = HybridHFTrainer(model=resumed_model, train_dataset=token_dataset(), args=hybrid_args(tmp_path / "resumed",
                                                                                               **RUN, **settings))
     resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-13"))

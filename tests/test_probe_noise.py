@@ -38,11 +38,11 @@ def test_sequence_losses_split_the_models_own_loss_by_sequence():
 
 
 def test_probe_losses_by_sequence_for_a_causal_lm_a_classifier_and_an_encoder_decoder_and_none_for_regression(tmp_out):
-    trainer = make_trainer(tmp_out)
+    trainer = make_trainer(tmp_out, model=tiny_gpt2(dropout=0.1))
     batch = {"input_ids": torch.arange(2 * BLOCK).view(2, BLOCK) % VOCAB}
     batch["labels"] = batch["input_ids"].clone()
     loss, rows = probe_loss_by_sequence(trainer, trainer.model, batch)
-    assert float(loss) == float(probe_loss(trainer, trainer.model, batch))  # the same paired forward
+    assert float(loss) == float(probe_loss(trainer, trainer.model, batch))  # the same masks: a paired forward
     assert rows.shape == (2,) and float(rows.mean()) == pytest.approx(float(loss), rel=1e-5)
 
     classifier = make_trainer(tmp_out, model=classifier_head(3))

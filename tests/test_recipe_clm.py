@@ -86,7 +86,8 @@ def test_tiny_config_trains_saves_and_evaluates(tiny_run):
     metrics = read_json(tiny_run / "eval_results.json")
     assert metrics["eval_samples"] == EVAL_SAMPLES
     assert metrics["perplexity"] == pytest.approx(math.exp(metrics["eval_loss"]))
-    assert metrics["eval_loss"] < math.log(50257)  # it learned something: better than uniform over the vocabulary
+    # It learned: an untrained GPT-2 (weights at std 0.02) scores within about 0.01 of uniform over the vocabulary.
+    assert metrics["eval_loss"] < math.log(50257) - 0.5
 
 
 def test_tiny_config_trains_hybrid(tiny_run):
