@@ -1,5 +1,5 @@
 """The mixin with the rest of the ecosystem: Seq2SeqTrainer, PEFT/LoRA, TensorBoard, bf16 autocast on CPU, losses that
-pop the labels, and the one-line errors for set-ups that cannot work. TRL's trainers: tests/test_trl.py."""
+pop the labels, `model_init`, and the one-line errors for set-ups that cannot work. TRL: tests/test_trl.py."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from transformers import (
     Seq2SeqTrainingArguments,
     T5Config,
     T5ForConditionalGeneration,
+    Trainer,
     TrainerCallback,
 )
 
@@ -96,6 +97,30 @@ def test_an_encoder_decoder_under_seq2seq_trainer_gains_the_hybrid_through_the_m
     assert_optimizer_ran_only_on_real_steps(trainer, counter)
     after = flat_params(model)
     assert torch.isfinite(after).all() and not torch.equal(before, after)
+
+
+# ---- model_init ---------------------------------------------------------------------------------------
+
+
+def test_model_init_reinitializes_the_model_the_hybrid_trains(tmp_path):
+    """With `model_init` (hyperparameter_search's way) the Trainer builds a fresh model at each `train()`: the hybrid's
+    engine must take that one, not the model of `__init__`."""
+    from .test_lr_advice import OUTER
+
+    def trained(cls, out, **flags):
+        args = hybrid_args(tmp_path / out, **{**OUTER, "max_steps": 40, "learning_rate": 1e-3}, **flags)
+        trainer = cls(model_init=lambda: tiny_gpt2(seed=3), args=args, train_dataset=token_dataset())
+        trainer.train()
+        return trainer
+
+    plain = trained(Trainer, "plain", hybrid=False)
+    assert torch.equal(flat_params(trained(HybridHFTrainer, "off", hybrid=False).model), flat_params(plain.model))
+    hybrid = trained(HybridHFTrainer, "on")
+    stats = hybrid.hybrid_stats()
+    assert stats["lr_raises_kept"] >= 1 and stats["predictions_judged"] >= 1, stats
+    assert not torch.equal(flat_params(hybrid.model), flat_params(plain.model))
+    trained_params = {id(p) for p in hybrid.model.parameters()}
+    assert all(id(p) in trained_params for p in hybrid.hybrid_engine.params)
 
 
 # ---- PEFT ---------------------------------------------------------------------------------------------
