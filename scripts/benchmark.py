@@ -167,11 +167,18 @@ def main() -> None:
         hybrids.append(hyb)
         print(f"[pair {r}] baseline {base.train_seconds:.1f}s eval {target:.4f} | hybrid {hyb.train_seconds:.1f}s "
               f"eval {hyb.evals[-1][2]:.4f} reached={hyb.reached_step}", flush=True)
+        report = write_report(args, root, settings, overrides, lr, swept_lr, peer_lrs, baselines, hybrids, peers)
+    print_table(report)
+    plot(root, baselines[0], hybrids[0], target)
 
+
+def write_report(args, root: Path, settings: dict, overrides: dict, lr: float, swept_lr: float, peer_lrs: dict,
+                 baselines: list, hybrids: list, peers: dict) -> dict:
+    """The report of the pairs run so far, rewritten after each: a run cut off by its time limit keeps its pairs."""
     # Each pair has its own target, its baseline's final eval loss: on a GPU, runs with the same seed still differ
     # in the last digits (non-deterministic kernels), so one pair's target is not another's.
     targets = [b.evals[-1][2] for b in baselines]
-    report = {"preset": args.preset, "mode": args.mode, "repeats": args.repeats, "target_eval_loss": targets[0],
+    report = {"preset": args.preset, "mode": args.mode, "repeats": len(baselines), "target_eval_loss": targets[0],
               "targets": targets, "overrides": overrides, "preset_settings": settings,
               "learning_rate": lr, "lr_scale": args.lr_scale, "swept_learning_rate": swept_lr,
               "baseline": [summarize(b, t) for b, t in zip(baselines, targets)],
@@ -199,8 +206,7 @@ def main() -> None:
         reached = [s for s in report["speedups"] if s is not None]
         report["speedup_median"] = statistics.median(reached) if len(reached) == len(report["speedups"]) else None
     (root / "report.json").write_text(json.dumps(report, indent=2))
-    print_table(report)
-    plot(root, baselines[0], hybrids[0], target)
+    return report
 
 
 def alternates(args, peers: dict) -> bool:

@@ -22,14 +22,20 @@ TOP = 10
 
 
 class StepProfiles(TrainerCallback):
-    """A profile of each optimizer step, from its start to the end of the hybrid's step-end work (the reading)."""
+    """A profile of each optimizer step in `steps`, from its start to the end of the hybrid's step-end work (the
+    reading). Each profile is parsed when its step ends, which on a GPU takes a good share of a step: a window around
+    the readings keeps the part inside its time limit."""
 
-    def __init__(self) -> None:
+    def __init__(self, steps: range) -> None:
+        self.steps = steps
         self.current = None
         self.by_step: dict[int, list[dict]] = {}
 
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs) -> None:
         import torch
+
+        if state.global_step + 1 not in self.steps:
+            return
         from torch.profiler import ProfilerActivity, profile
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -39,6 +45,8 @@ class StepProfiles(TrainerCallback):
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs) -> None:
         import torch
 
+        if self.current is None:
+            return
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self.current.__exit__(None, None, None)
@@ -54,12 +62,15 @@ def main() -> None:
     # Past the second reading, which must not fall in the last READ_EVERY steps before a constant schedule's
     # cooldown (its last fifth): at a 50-step warmup the readings come at steps 50 and 60.
     parser.add_argument("--max_steps", type=int, default=100)
+    parser.add_argument("--profile_steps", default="",
+                        help="FROM-TO: profile only these steps (default: every step)")
     parser.add_argument("--output_dir", default="runs/first-reading")
     parser.add_argument("--out", default="runs/first-reading.json")
     args = parser.parse_args()
     preset = {**PRESETS[args.preset], "max_steps": args.max_steps, "early_eval_steps": 0}
     preset["eval_steps"] = args.max_steps  # no evaluation before the end: nothing else loads kernels in between
-    profiles = StepProfiles()
+    first, _, last = args.profile_steps.partition("-")
+    profiles = StepProfiles(range(int(first), int(last) + 1) if first else range(1, args.max_steps + 1))
     run_arm("hybrid", preset, Path(args.output_dir), seed=0, hybrid_overrides={}, budget=1.0, target=None,
             hook_clock_on_gpu=False, watchers=(profiles,))
     trace = read_trace(Path(args.output_dir) / TRACE_FILE)
@@ -70,9 +81,9 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"preset": args.preset, "readings": readings, "steps": rows}, indent=1))
     for row in rows:  # the last lines are what a log's tail shows
+        top = ", ".join(f"{e['name'][:40]} {e['self_cpu_ms']:.1f} ms ({e['calls']}x)" for e in row["top"][:4])
         print(f"step {row['step']}{' (a reading)' if row['reading'] else ''}: {row['seconds'] or 0:.3f} s; its top "
-              "host time: " + ", ".join(f"{e['name'][:40]} {e['self_cpu_ms']:.1f} ms ({e['calls']}x)"
-                                       for e in row["top"][:4]))
+              f"host time: {top or 'not profiled (outside --profile_steps)'}")
 
 
 if __name__ == "__main__":

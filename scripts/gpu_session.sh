@@ -14,7 +14,7 @@
 #   finetune    a 124M pretrained inside the call (recipes/configs/gpt2-124m-pretrain.yaml), fine-tuned on another
 #               corpus at TrainingArguments' default 5e-5 with linear decay; the same arms, the reference at 6e-4
 #   cost        three alternating Trainer/hybrid pairs at the tuned 6e-4 with deterministic kernels
-#   first_reading  the hybrid at the tuned LR for 100 steps, each step profiled: where the first reading's time goes
+#   first_reading  the hybrid at the tuned LR for 100 steps, the steps around its first two readings profiled
 #   scratch355  GPT-2 medium's shape from scratch at a tenth of 3e-4, the Trainer and the hybrid
 #   tests exact ab overhead overhead_ga jumps faults   the earlier sessions' checks, on request
 # Logs, reports and traces go to $WORK, packed into $OUT/work.tgz; the suite's table is $OUT/summary.txt (the reply
@@ -44,15 +44,30 @@ export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv 2>/dev/null
-$PY -c "import torch, transformers, accelerate, datasets, pyarrow; print('torch', torch.__version__, '| transformers',
-transformers.__version__, '| accelerate', accelerate.__version__, '| datasets', datasets.__version__, '| pyarrow',
-pyarrow.__version__, '| cuda', torch.cuda.is_available())"
+# Everything the parts import, once: a machine where one fails (a carried wheel against the image's own packages, say
+# huggingface-hub or tokenizers older than transformers asks) ends the call here, in seconds, and says which.
+if ! $PY -c "import platform, torch, transformers, accelerate, datasets, pyarrow, huggingface_hub, tokenizers
+import safetensors, prodigyopt, mechanic_pytorch, hf_hybrid
+from transformers import Trainer
+print('python', platform.python_version(), '| torch', torch.__version__, '| transformers', transformers.__version__,
+      '| accelerate', accelerate.__version__, '| datasets', datasets.__version__, '| pyarrow', pyarrow.__version__,
+      '| hub', huggingface_hub.__version__, '| tokenizers', tokenizers.__version__, '| safetensors',
+      safetensors.__version__, '| cuda', torch.cuda.is_available())"; then
+  echo "== the suite's libraries do not import here (above): no part can run" | tee "$OUT/summary.txt"
+  exit 1
+fi
+if [ "$PRESET" != smoke ] && ! $PY -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
+  echo "== no CUDA device: the GPU presets would run on the CPU until their limits" | tee "$OUT/summary.txt"
+  exit 1
+fi
 
 # The presets each part runs; PRESET=smoke runs every part on the smoke presets.
+# FIRST_PROFILE: the steps first_reading profiles, around the first two readings (steps 50 and 60 at 124M's 50-step
+# warmup; 12 and 22 on the smoke preset).
 if [ "$PRESET" = smoke ]; then
-  FINETUNE=smoke-finetune MEDIUM=smoke
+  FINETUNE=smoke-finetune MEDIUM=smoke FIRST_PROFILE=${FIRST_PROFILE:-8-25}
 else
-  FINETUNE=$PRESET-finetune MEDIUM=gpt2-355m
+  FINETUNE=$PRESET-finetune MEDIUM=gpt2-355m FIRST_PROFILE=${FIRST_PROFILE:-44-62}
 fi
 case "${CALL:-}" in
   1) DEFAULT_PARTS="scratch finetune" ;;
@@ -79,7 +94,7 @@ part() {  # part NAME SECONDS COMMAND...: runs COMMAND with a limit, its log in 
     [ "$left" -lt "$limit" ] && limit=$left
   fi
   start=$(date +%s)
-  timeout "$limit" "$@" > "$WORK/logs/$name.log" 2>&1
+  timeout -k 10 "$limit" "$@" > "$WORK/logs/$name.log" 2>&1  # -k: a part deaf to SIGTERM is killed 10 s later
   rc=$?
   echo "== $name: rc $rc, $(( $(date +%s) - start )) s (limit $limit)" | tee -a "$SUMMARY"
   tail -n "${TAIL:-12}" "$WORK/logs/$name.log"
@@ -99,7 +114,7 @@ part cost "${T_COST:-200}" $PY scripts/benchmark.py --preset "$PRESET" --repeats
 part placement "${T_PLACEMENT:-60}" $PY -m pytest -q -p no:cacheprovider tests/test_cuda_memory.py -k rollback_copies
 # Where the autopilot's first reading spends the second it took over later ones: each step profiled on its own.
 part first_reading "${T_FIRST:-60}" $PY scripts/first_reading.py --preset "$PRESET" --max_steps "${FIRST_STEPS:-100}" \
-  --output_dir "$WORK/first_reading" --out "$WORK/first_reading.json"
+  --profile_steps "$FIRST_PROFILE" --output_dir "$WORK/first_reading" --out "$WORK/first_reading.json"
 part scratch355 "${T_355:-100}" $BENCH --preset "$MEDIUM" --lr_scale 0.1 --max_steps "${STEPS_355:-150}" \
   --output_dir "$WORK/scratch355"
 

@@ -127,3 +127,34 @@ def test_a_jumps_cost_leaves_out_the_first_which_allocates(monkeypatch):
     assert abs(cost["median"] - 0.073) < 1e-12  # the two after the first; with it the median would be 0.074
     assert cost["next_median"] == 0.075
     assert jump_cost([0.05, 0.05], ["full", "full"]) is None
+
+
+def test_a_run_cut_off_after_a_pair_keeps_that_pairs_report(tmp_path, monkeypatch):
+    """The report is rewritten after every pair: a run stopped in its second pair (a GPU part's time limit) keeps the
+    first pair's report."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    import benchmark
+
+    class CutOff(Exception):
+        pass
+
+    launched = []
+
+    def launch(*args, **kwargs):
+        if len(launched) == 2:
+            raise CutOff
+        launched.append(args[0])
+        return real_launch(*args, **kwargs)
+
+    real_launch = benchmark.launch
+    monkeypatch.setattr(benchmark, "launch", launch)
+    monkeypatch.setattr(sys, "argv", ["benchmark.py", "--preset", "smoke", "--mode", "overhead", "--repeats", "3",
+                                      "--max_steps", "8", "--output_dir", str(tmp_path)])
+    try:
+        benchmark.main()
+    except CutOff:
+        pass
+    report = json.loads((tmp_path / "smoke-overhead" / "report.json").read_text())
+    assert launched == ["baseline", "hybrid"]
+    assert report["repeats"] == 1 and len(report["baseline"]) == len(report["hybrid"]) == 1
+    assert len(report["step_time_ratios"]) == 1
