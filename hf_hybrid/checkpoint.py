@@ -4,7 +4,8 @@ The state is one entry per stateful part of the run (the engine, the guard, the 
 own `state_dict()`, written in two kinds of file. The parameter-sized tensors (the predictor's buffers, a jump's undo
 copy when one is open) go where the Trainer puts the weights: once per job when every rank holds the same ones (one
 process, DDP), one file per rank when each rank holds its own shards (FSDP2). The rest is small and partly rank-local
-(the batches a rolled-back jump will replay, the probe, the guard's reference batch), one file per rank.
+(the batches a rolled-back jump will replay, the probe, the guard's reference batch), one file per rank; but a
+checkpoint saved in the autopilot's first 10 steps also holds its copy of the start weights there (1x the parameters).
 """
 
 from __future__ import annotations

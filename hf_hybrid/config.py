@@ -69,24 +69,24 @@ class HybridTrainingArguments(TrainingArguments):
             Nesterov momentum of the `outer` predictor, in [0, 1).
         hybrid_lr_autopilot (`bool`, defaults to `True`):
             Raise the learning rate when a probe along the optimizer's next step (three forwards, every 10 real steps,
-            every 5 while a raise is under way past the warmup, the gap doubling while it reads no line a step long)
-            shows the steps are too short: one multiplier on the whole schedule (logged as `hybrid/lr_scale`), sized
-            to the readings (two in a row 4 or more steps long, or three in a row whose median is 1 step or more), up
-            to 2x at a time and 32x in all, never below the user's. Where the first steps' gradient still points on
-            along the way come (their alignment), the LR is far too small: one long reading is enough, and a raise
-            may be 4x, or up to the cap at once where they read strongly aligned, as LoRA's do; where it points back
-            (opposed), no raise starts at all. Each raise is judged at the next reading, on the probe, against the
-            point the user's LR would have reached over the same batches (two forwards), and undone bit for bit (to
-            the guard's snapshot) when it did worse by more than `hybrid_probe_noise_margin`. No raise in the
-            schedule's warmup or the 10 steps after it (unless the first steps read aligned: then from step 10; with
-            a warmup under 10 steps or none, a line read before step 20 counts only from 16 steps on), once
-            it has decayed below half its peak, in the last 10 steps, or before the third reading after a step the
-            guard flagged; a guard rollback halves a raised scale. Where the schedule has no decay of its own
-            (constant), a raised scale returns to 1 over the run's last fifth, and no raise starts in the 10 steps
-            before that. Needs the guard's snapshots, torch's Adam or AdamW without amsgrad (every `adamw_torch*`
-            optim; not schedule-free AdamW, Prodigy or Mechanic) and a schedule that scales with its base learning
-            rate, a `LambdaLR` (every named schedule but `reduce_lr_on_plateau`; a scheduler passed in `optimizers`
-            must be one too). `False` keeps `--learning_rate` exactly.
+            every 5 while a raise is under way past the warmup and the 10 steps after it, the gap doubling while it
+            reads no line a step long) shows the steps are too short: one multiplier on the whole schedule (logged as
+            `hybrid/lr_scale`), sized to the readings (two in a row 4 or more steps long, or three in a row whose median
+            is 1 step or more), up to 2x at a time and 32x in all, never below the user's. Where the first steps'
+            gradient still points on along the way come (their alignment), the LR is far too small: one long reading is
+            enough, and a raise may be 4x, or up to the cap in one raise (ramped in over 5 steps past 4x) where they
+            read strongly aligned, as LoRA's do; where it points back (opposed), no raise starts at all. Each raise is
+            judged at the next reading, on the probe, against the point the user's LR would have reached over the same
+            batches (two forwards), and undone bit for bit (to the guard's snapshot) when it did worse by more than
+            `hybrid_probe_noise_margin`. No raise in the schedule's warmup or the 10 steps after it (unless the first
+            steps read aligned: then from step 10; with a warmup under 10 steps or none, a line read before step 20
+            counts only from 16 steps on), once it has decayed below half its peak, in the last 10 steps, or before the
+            third reading after a step the guard flagged; a guard rollback halves a raised scale. Where the schedule has
+            no decay of its own (constant), a raised scale returns to 1 over the run's last fifth, and no raise starts
+            in the 10 steps before that. Needs the guard's snapshots, torch's Adam or AdamW without amsgrad (every
+            `adamw_torch*` optim; not schedule-free AdamW, Prodigy or Mechanic) and a schedule that scales with its base
+            learning rate, a `LambdaLR` (every named schedule but `reduce_lr_on_plateau`; a scheduler passed in
+            `optimizers` must be one too). `False` keeps `--learning_rate` exactly.
         hybrid_monitor_interval (`int`, defaults to `1`):
             Run a forward pass to check the loss on every N-th predicted step (and always on a phase's last);
             skipped steps cost almost nothing but are unchecked until the next check.
@@ -113,7 +113,7 @@ class HybridTrainingArguments(TrainingArguments):
         hybrid_trace (`bool`, defaults to `True`):
             Write one JSON line per optimizer step to `<output_dir>/hybrid_trace.jsonl` (main process).
         hybrid_vram_min_free_mb (`float`, defaults to `0.0`):
-            On a GPU, ask for a checkpoint when free memory falls below this many MB. 0 turns it off.
+            On a GPU, ask for a checkpoint when free memory falls below this many MiB. 0 turns it off.
         hybrid_offload_snapshot (`bool`, defaults to `False`):
             Keep the copy of the weights that undoes a Predict phase (and the LR autopilot's copy while a reading moves
             the weights) in pinned host memory rather than on the GPU,
@@ -129,11 +129,12 @@ class HybridTrainingArguments(TrainingArguments):
             over the host link each time. Through step 10 the autopilot's copy of the start weights (1x more) joins
             them on the GPU where it fits too. A line at the start says which. 0 keeps them on the host.
         hybrid_guard (`bool`, defaults to `True`):
-            Guard every real optimizer step. A step whose loss or gradient norm is not finite, or is an outlier
-            against the recent steps, is skipped: its update is vetoed (weights, optimizer state, learning-rate
-            schedule and GradScaler stay as they were) and its batch is dropped. A skipped step does not count
-            toward `max_steps`. When the weights themselves turn out damaged, or outliers persist, the run rolls
-            back to the last good snapshot; after too many rollbacks it saves a checkpoint and stops.
+            Guard every real optimizer step. A step whose loss or gradient norm is not finite, or is an outlier against
+            the recent steps, is skipped: its update is vetoed (weights, optimizer state and learning-rate schedule stay
+            as they were, and the GradScaler unless the step overflowed, which lowers its scale as usual) and its batch
+            is dropped. A skipped step does not count toward `max_steps`. When the weights themselves turn out damaged,
+            or outliers persist, the run rolls back to the last good snapshot; after too many rollbacks it saves a
+            checkpoint and stops.
         hybrid_guard_window (`int`, defaults to `128`):
             Accepted steps whose loss and gradient norm make up the guard's running statistics.
         hybrid_guard_threshold (`float`, defaults to `6.0`):
@@ -201,7 +202,7 @@ class HybridTrainingArguments(TrainingArguments):
     )
     hybrid_trace: bool = field(default=True, metadata={"help": "Write <output_dir>/hybrid_trace.jsonl."})
     hybrid_vram_min_free_mb: float = field(
-        default=0.0, metadata={"help": "GPU: checkpoint when free VRAM falls below this (MB); 0 = off."}
+        default=0.0, metadata={"help": "GPU: checkpoint when free VRAM falls below this (MiB); 0 = off."}
     )
     hybrid_offload_snapshot: bool = field(
         default=False, metadata={"help": "GPU: keep the undo copy of the weights in pinned host memory."}

@@ -10,7 +10,7 @@ autopilot/, and loop/ and memory/, which they share), reaching the trainer throu
   once, when trained on: not in a Predict step, nor again when an undo gives it back (loop/replay.py);
 - `_save_optimizer_and_scheduler` / `_load_optimizer_and_scheduler`: they run on every rank, so the hybrid state is
   saved and restored beside the optimizer's (checkpoint.py: replicated tensors once per job);
-- `_load_rng_state`: the checkpoint's RNG already holds the DataLoader seed draws that loop/epoch_seed.py defers;
+- `_load_rng_state`: the loaded RNG overwrites earlier seed draws; loop/epoch_seed.py makes the deferred one again;
 - `log`: merges the `hybrid/...` metrics into the logs for every `report_to`, `hybrid/updates` into evaluations' too;
 - `train`: a guard-stopped run raises `GuardStoppedError` after the Trainer ends; a cut-off one keeps no unjudged jump.
 The other loop points come through a callback placed first in line, so that a rolled-back step is made up before

@@ -6,10 +6,10 @@ the current direction is worth. At a fixed point that number scales as 1 / lr (t
 the curvature it meets to its square), so it reads the LR itself, where the line an outer cycle travelled does not
 (docs/benchmarks-history.md, "the autopilot reads Adam's next step instead of the cycle's line").
 
-Three forwards, two moves along the step and one copy of the weights (the jump's undo copy, which exists only while
-it is in use), made after the optimizer step, when the gradients it stands in for are freed; the weights come back
-bit for bit. At a reading that also judges a raise, the first forward keeps each sequence's loss at W: the verdict
-(autopilot/verdict.py) reads the raised weights from it instead of running that forward again.
+Three forwards, two moves along the step and one copy of the weights (the autopilot's own scratch copy, placed as a
+jump's undo copy is and held only while in use), made after the optimizer step, when the gradients it stands in for are
+freed; the weights come back bit for bit. At a reading that also judges a raise, the first forward keeps each sequence's
+loss at W: the verdict (autopilot/verdict.py) reads the raised weights from it instead of running that forward again.
 """
 
 from __future__ import annotations

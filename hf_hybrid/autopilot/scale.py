@@ -127,8 +127,8 @@ class LrScale:
         up to MAX_ALIGNED_RAISE, or MAX_STRONGLY_ALIGNED_RAISE where they said it `strongly_aligned`; `opposed`: they
         said its steps overshoot, so no raise starts at all; `first_descent`: a run with a short warmup or none is
         still in its first descent, where a line shorter than FIRST_DESCENT_REACH counts as frozen.
-        Returns what the trainer must do: "raise", "keep" (a trial passed; the scale may have risen again), "undo"
-        (restore the undo point: the scale is already back), or None."""
+        Returns what the trainer must do: "raise", "keep" (a trial passed and no new raise: a pass followed by one
+        returns "raise"), "undo" (restore the undo point: the scale is already back), or None."""
         self.readings += 1
         rate = (self.last_loss - f0) / steps if self.last_loss is not None and steps > 0 else None
         self.last_loss = f0

@@ -13,10 +13,9 @@ That is a counterfactual on the same batches. The probe's progress per step unde
 before the raise, would not do: early in a run that falls several times over whatever the LR, so a raise that paid
 would be undone (docs/benchmarks-history.md, "the verdict on a raise").
 
-One forward and one copy of the weights (the jump's undo copy, free outside a jump), once per trial: the probe at the
-raised weights is the first forward of the same reading's line (autopilot/line.py). Under DDP the undo point's weights
-are broadcast from rank 0, which alone keeps them.
-"""
+One forward and one copy of the weights (the autopilot's scratch copy, held only while in use), once per trial: the
+probe at the raised weights is the first forward of the same reading's line (autopilot/line.py). Under DDP the undo
+point's weights are broadcast from rank 0, which alone keeps them. """
 
 from __future__ import annotations
 

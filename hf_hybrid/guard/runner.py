@@ -220,8 +220,8 @@ class GuardAtLoop:
 
     def restore_snapshot(self, step: int) -> int:
         """Put the snapshot back at the end of optimizer step `step` (0-based): weights, optimizer state, schedule
-        and RNG. The updates since it no longer count and are made up; the batches since it are dropped. Returns how
-        many updates were undone."""
+        and RNG. The updates since it no longer count and are made up; their batches are the caller's (the guard drops
+        them, an undone raise trains them again). Returns how many updates were undone."""
         trainer, engine, snapshot = self.trainer, self.trainer.hybrid_engine, self.snapshot
         schedule = snapshot.restore(engine.params, engine.optimizer)
         undone = (step + 1 - snapshot.step) - (engine.made_up_steps - snapshot.made_up)

@@ -98,9 +98,9 @@ class JumpLifecycle:
             self.payoff.use_rate((start_loss - self.probe_loss) / steps)
 
     def judge_probe(self, loss_after: float, noise: float, forward_run: bool = True) -> None:
-        """At the end of a Predict phase: keep the jump only if its probe gain beat plain training's by more than its
-        noise (the gain's standard error over the probe's sequences). `forward_run`: False when the step's loss check
-        already was the probe's forward, paid for there."""
+        """At the end of a Predict phase: keep the jump only if its probe gain beat plain training's by
+        `hybrid_probe_noise_margin` times its noise (the gain's standard error over the probe's sequences) or more.
+        `forward_run`: False when the step's loss check already was the probe's forward, paid for there."""
         if forward_run:
             self.payoff.tick_probe()
         paid = self.payoff.verdict(self.probe_loss - loss_after, noise)

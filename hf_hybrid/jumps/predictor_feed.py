@@ -70,7 +70,7 @@ class PredictorFeed:
             return
         updates = self._before_step
         torch._foreach_neg_(updates)
-        torch._foreach_add_(updates, self.shards())  # in place: the anchor buffer now holds (after - before)
+        torch._foreach_add_(updates, self.shards())  # in place: `_before_step` now holds (after - before)
         if self._predicted is not None:
             self.predictor.measure_residual(updates, self._predicted)
             self._predicted = None

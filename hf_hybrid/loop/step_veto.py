@@ -1,9 +1,9 @@
 """Vetoed and undone optimizer steps, as the Trainer's loop must see them.
 
 A step the hybrid vetoes (a Predict step, a NaN, the guard's verdict) must not reach the optimizer; a step a rollback
-undid must not count. Both are made up: the learning-rate schedule goes back to where it was, and `max_steps` grows by
-as many steps (as far as the Trainer's epochs reach), so that with every jump rejected the run ends where the
-Trainer's run ends, at the same learning rate.
+undid must not count. A vetoed real step and an undone step are made up (a kept Predict step counts): the learning-rate
+schedule goes back to where it was, and `max_steps` grows by as many steps (as far as the Trainer's epochs reach), so
+that with every jump rejected the run ends where the Trainer's run ends, at the same learning rate.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class StepVeto:
         return {"scheduler": copy.deepcopy(trainer.lr_scheduler.state_dict()), "groups": copy.deepcopy(groups)}
 
     def veto(self, predict_step: bool) -> None:
-        """Keep the optimizer from stepping. Through accelerate's public `sync_gradients` flag:
+        """Keep the optimizer from stepping. Through accelerate's `sync_gradients` flag (set by its private setter):
         `AcceleratedOptimizer.step` does nothing while it is False."""
         accelerator = self.trainer.accelerator
         scaler = accelerator.scaler
@@ -75,8 +75,9 @@ class StepVeto:
                            "dropped.")
 
     def make_up(self, steps: int, schedule: dict | None) -> None:
-        """`steps` optimizer steps were undone or vetoed: they are trained again (their batches are replayed), so
-        they must not count. The schedule goes back to `schedule` and the run gets `steps` more."""
+        """`steps` optimizer steps were undone or vetoed, so they must not count (their batches are replayed after a
+        rolled-back jump or an undone trial, dropped after the guard's skip or rollback). The schedule goes back to
+        `schedule` and the run gets `steps` more."""
         if schedule is not None:
             trainer = self.trainer
             trainer.lr_scheduler.load_state_dict(schedule["scheduler"])

@@ -21,7 +21,8 @@ class WeightSnapshot:
     """A copy of a list of tensors (parameters, optimizer state) to undo a change bit-exactly. Buffers are reused
     between captures until `release`: the jump's undo copy is released as soon as the jump is judged, so that it
     exists only on steps without gradients (a Predict step, a reading after the optimizer step), whose memory it
-    takes instead of adding to the peak of a real step.
+    takes instead of adding to the peak of a real step; with `velocity` and `adam` it also lives through the Correct
+    steps that judge the jump.
 
     With `on_host`, every accelerator tensor is copied into pinned host memory instead (`host_like`; an optimizer's
     state mixes device moments with a host `step` count): no device memory, for a device-to-host copy at

@@ -178,9 +178,6 @@ class StepwisePredictor(Predictor):
         self.gains = state["gains"].clone()
 
 
-@torch.no_grad()
-
-
 def _shard_groups(params: list[Tensor]) -> list:
     """The process groups across which the parameters are sharded (FSDP2's DTensors); none when unsharded."""
     for p in params:
