@@ -22,7 +22,7 @@ HYBRID_TENSOR_SHARDS_NAME = "hybrid_tensors_rank{rank}.pt"
 TENSOR_KEYS = ("predictor", "snapshot")  # the parameter-sized parts of the engine's state
 # The layout of the hybrid state. Raised with any change to what a part saves, so that a checkpoint of another
 # layout is refused by name instead of loaded with defaults guessed for what it lacks.
-FORMAT_VERSION = 6
+FORMAT_VERSION = 7
 
 
 class Stateful(Protocol):

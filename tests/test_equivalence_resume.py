@@ -154,7 +154,8 @@ def check_resume_mid_predict(tmp_path, **extra) -> tuple[HybridHFTrainer, Hybrid
 # The keys of the hybrid state each layout saves (a run with the defaults: the guard, the autopilot, the outer jumps),
 # as a digest of `key_paths`. A change to what any part saves changes it; then raise checkpoint.FORMAT_VERSION, so an
 # older checkpoint is refused by name instead of failing on a missing key, and record the new digest here.
-LAYOUT_DIGESTS = {3: "4a397d8a72dc07a7", 4: "2ec0e85ca1381da8", 5: "b7e519160ff6955e", 6: "3dffda9559e09cdd"}
+LAYOUT_DIGESTS = {3: "4a397d8a72dc07a7", 4: "2ec0e85ca1381da8", 5: "b7e519160ff6955e", 6: "3dffda9559e09cdd",
+                  7: "bc1a1aed2dc09f9a"}
 
 
 def key_paths(value, prefix: str = "") -> set[str]:

@@ -3,8 +3,10 @@ was judged, and says what the run did."""
 
 from __future__ import annotations
 
+import pytest
+
 from hf_hybrid.autopilot.end_line import RunEnd, end_line
-from hf_hybrid.autopilot.scale import LrScale
+from hf_hybrid.autopilot.scale import LrScale, RaiseVerdict
 
 RUN = RunEnd(user_lr=1e-4, cooldown_steps=None, readings=0, reading_seconds=0.0, train_seconds=100.0)
 
@@ -55,3 +57,23 @@ def test_a_run_that_only_read_says_what_the_readings_cost_and_one_that_did_not_r
     one = RunEnd(**{**vars(RUN), "readings": 1, "reading_seconds": 0.5})
     assert "the autopilot's 1 reading (three forwards each) took 0.5 s, 0.5%" in end_line(LrScale(readings=1), one)
     assert end_line(LrScale(), RUN) is None
+
+
+def test_a_raise_held_by_the_cap_says_the_lr_may_lie_higher():
+    """A strongly aligned run at 16x reads a line whose bottom is 12 of today's steps away, asking for 6x: the cap lets
+    2x through, and the end line names the rest beside its advice."""
+    scale = LrScale(scale=16.0, raises_kept=2)
+    f0, f1, f2 = (3.0 - 0.001 * (2 * 12 * x - x**2) for x in (0, 1, 2))  # a parabola bottoming out at x = 12
+    assert scale.reading(f0, f1, f2, spacing=1.0, steps=10, schedule_factor=1.0, frozen=False, aligned=True,
+                         strongly_aligned=True) == "raise"
+    assert scale.scale == 32.0 and scale.held_by_cap == pytest.approx(3.0)
+    scale.reading(f0 - 0.1, f1 - 0.1, f2 - 0.1, spacing=1.0, steps=10, schedule_factor=1.0, frozen=False,
+                  trial_verdict=RaiseVerdict.SHOWN)  # the raise is kept
+    assert end_line(scale, RUN) == (
+        "hf_hybrid: raised the learning rate 32.0x: 0.0001 -> 0.0032 (3 raises kept, 0 undone); pass --learning_rate "
+        "0.0032 next time; 32x is the most the autopilot raises, and the reading that raised it to 32x asked for 3.0x "
+        "more: a learning rate above 0.0032 may train faster still.")
+    # A line with no bottom, and a raise that reached the cap with all it asked for.
+    assert "and the reading that raised it to 32x read a line with no bottom:" in end_line(
+        LrScale(scale=32.0, raises_kept=3, held_by_cap=float("inf")), RUN)
+    assert end_line(LrScale(scale=32.0, raises_kept=5), RUN).endswith("pass --learning_rate 0.0032 next time.")

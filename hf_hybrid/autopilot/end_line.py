@@ -6,9 +6,10 @@ line asks the user to compare the two learning rates instead."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from .scale import LrScale
+from .scale import MAX_SCALE, LrScale
 
 
 @dataclass
@@ -37,7 +38,7 @@ def end_line(scale: LrScale, run: RunEnd) -> str | None:
                 f"run higher.")
     if s.scale != 1.0:
         return (f"hf_hybrid: raised the learning rate {s.scale:.1f}x: {user:.2g} -> {raised:.2g} ({tried}); "
-                f"{_advice(s, user, raised)}.")
+                f"{_advice(s, user, raised)}{_held_by_cap(s, raised)}.")
     if s.trials_undone:
         return f"hf_hybrid: the learning rate {user:.2g} was kept: {tried}."
     if run.readings:  # all it did was read: say what that cost
@@ -47,6 +48,15 @@ def end_line(scale: LrScale, run: RunEnd) -> str | None:
                 f"{run.reading_seconds:.1f} s, {100 * share:.1f}% of this train() call's time; --hybrid_lr_autopilot "
                 f"false skips the readings where the learning rate is known to be right.")
     return None
+
+
+def _held_by_cap(s: LrScale, raised: float) -> str:
+    """Where the cap, not the readings, ended the raising: the user's best LR may lie above the one advised."""
+    if s.scale < MAX_SCALE or s.held_by_cap <= 1.0:
+        return ""
+    asked = f"asked for {s.held_by_cap:.1f}x more" if math.isfinite(s.held_by_cap) else "read a line with no bottom"
+    return (f"; {MAX_SCALE:.0f}x is the most the autopilot raises, and the reading that raised it to {MAX_SCALE:.0f}x "
+            f"{asked}: a learning rate above {raised:.2g} may train faster still")
 
 
 def _advice(s: LrScale, user: float, judged: float) -> str:

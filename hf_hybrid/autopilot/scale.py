@@ -117,6 +117,7 @@ class LrScale:
     last_reach: float | None = None  # the last reading's, at the schedule's peak
     recent: tuple[float, ...] = ()  # the last readings' reaches where a raise may start, at today's scale
     previous: float | None = None  # the last reading's reach where a raise may start, in today's steps
+    held_by_cap: float = 1.0  # how much more the reading that raised to MAX_SCALE asked for than the cap let through
 
     def reading(self, f0: float, f1: float, f2: float, spacing: float, steps: int, schedule_factor: float,
                 frozen: bool, trial_verdict: RaiseVerdict | None = None, aligned: bool = False,
@@ -158,13 +159,15 @@ class LrScale:
         twice = reach if aligned else min(reach, previous) if previous is not None else 0.0
         steady = statistics.median(self.recent) if len(self.recent) == STEADY_READINGS else 0.0
         most = MAX_STRONGLY_ALIGNED_RAISE if strongly_aligned else MAX_ALIGNED_RAISE if aligned else MAX_RAISE
-        wanted = max(min(twice / TARGET_REACH, most) if twice >= RAISE_REACH else 0.0,
-                     min(steady / STEADY_TARGET, MAX_RAISE) if steady >= STEADY_REACH else 0.0)
+        by_line = twice / TARGET_REACH if twice >= RAISE_REACH else 0.0
+        by_steady = steady / STEADY_TARGET if steady >= STEADY_REACH else 0.0
+        wanted = max(min(by_line, most), min(by_steady, MAX_RAISE))
         factor = min(wanted, MAX_SCALE / self.scale)
         progress = rate > 0 if rate is not None else aligned
         if progress and not self.wait and factor > 1.0 and not opposed:
             self.trial_from, self.trial_loss, self.recent = self.scale, f0, ()
             self.scale *= factor
+            self.held_by_cap = max(by_line, by_steady) / factor if self.scale >= MAX_SCALE else 1.0
             self.previous = reach / factor
             return "raise"
         return verdict
