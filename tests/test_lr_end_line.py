@@ -77,3 +77,6 @@ def test_a_raise_held_by_the_cap_says_the_lr_may_lie_higher():
     assert "and the reading that raised it to 32x read a line with no bottom:" in end_line(
         LrScale(scale=32.0, raises_kept=3, held_by_cap=float("inf")), RUN)
     assert end_line(LrScale(scale=32.0, raises_kept=5), RUN).endswith("pass --learning_rate 0.0032 next time.")
+    # After a raise kept on an even verdict the line asks to compare the two LRs, and says no more.
+    assert end_line(LrScale(scale=32.0, raises_kept=3, kept_even=1, held_by_cap=3.0), RUN).endswith(
+        "before passing the higher one.")

@@ -51,8 +51,9 @@ def end_line(scale: LrScale, run: RunEnd) -> str | None:
 
 
 def _held_by_cap(s: LrScale, raised: float) -> str:
-    """Where the cap, not the readings, ended the raising: the user's best LR may lie above the one advised."""
-    if s.scale < MAX_SCALE or s.held_by_cap <= 1.0:
+    """Where the cap, not the readings, ended the raising: the user's best LR may lie above the one advised. Not after
+    a raise kept on an even verdict, where the line already asks to compare the two LRs."""
+    if s.scale < MAX_SCALE or s.held_by_cap <= 1.0 or s.kept_even:
         return ""
     asked = f"asked for {s.held_by_cap:.1f}x more" if math.isfinite(s.held_by_cap) else "read a line with no bottom"
     return (f"; {MAX_SCALE:.0f}x is the most the autopilot raises, and the reading that raised it to {MAX_SCALE:.0f}x "

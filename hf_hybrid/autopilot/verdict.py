@@ -15,7 +15,8 @@ would be undone (docs/benchmarks-history.md, "the verdict on a raise").
 
 One forward and one copy of the weights (the autopilot's scratch copy, held only while in use), once per trial: the
 probe at the raised weights is the first forward of the same reading's line (autopilot/line.py). Under DDP the undo
-point's weights are broadcast from rank 0, which alone keeps them. """
+point's weights are broadcast from rank 0, which alone keeps them.
+"""
 
 from __future__ import annotations
 
