@@ -44,10 +44,11 @@ export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv 2>/dev/null
-# Everything the parts import, once: a machine where one fails (a carried wheel against the image's own packages, say
-# huggingface-hub or tokenizers older than transformers asks) ends the call here, in seconds, and says which.
+# What every part imports, once: a machine where one fails (a carried wheel against the image's own packages, say
+# huggingface-hub or tokenizers older than transformers asks) ends the call here, in seconds, and says which. The
+# peers' optimizers only fail their own arms, so they are named in the summary instead.
 if ! $PY -c "import platform, torch, transformers, accelerate, datasets, pyarrow, huggingface_hub, tokenizers
-import safetensors, prodigyopt, mechanic_pytorch, hf_hybrid
+import safetensors, hf_hybrid
 from transformers import Trainer
 print('python', platform.python_version(), '| torch', torch.__version__, '| transformers', transformers.__version__,
       '| accelerate', accelerate.__version__, '| datasets', datasets.__version__, '| pyarrow', pyarrow.__version__,
@@ -77,6 +78,8 @@ esac
 PARTS=${PARTS:-$DEFAULT_PARTS}
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
+$PY -c "import prodigyopt, mechanic_pytorch" >/dev/null 2>&1 \
+  || echo "== Prodigy or Mechanic does not import here: their arms in scratch and finetune will fail" | tee -a "$SUMMARY"
 # BUDGET (seconds, 0 = none): the call's own limit. A part gets at most what is left of it, less FINISH seconds for
 # the summary and the archive, and is skipped when under MIN_PART are left: a call cut off by the machine's timeout
 # would bring back no archive at all.
@@ -112,7 +115,7 @@ part cost "${T_COST:-200}" $PY scripts/benchmark.py --preset "$PRESET" --repeats
   --max_steps "${COST_STEPS:-200}" --output_dir "$WORK/cost"
 # The rollback copies on the device and in pinned memory: where each went, and the two runs bit for bit equal.
 part placement "${T_PLACEMENT:-60}" $PY -m pytest -q -p no:cacheprovider tests/test_cuda_memory.py -k rollback_copies
-# Where the autopilot's first reading spends the second it took over later ones: each step profiled on its own.
+# Where the autopilot's first reading spends the second it took over later ones: the steps around it, each profiled.
 part first_reading "${T_FIRST:-60}" $PY scripts/first_reading.py --preset "$PRESET" --max_steps "${FIRST_STEPS:-100}" \
   --profile_steps "$FIRST_PROFILE" --output_dir "$WORK/first_reading" --out "$WORK/first_reading.json"
 part scratch355 "${T_355:-100}" $BENCH --preset "$MEDIUM" --lr_scale 0.1 --max_steps "${STEPS_355:-150}" \
