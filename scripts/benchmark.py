@@ -31,6 +31,16 @@ from presets import PEER_ARMS, PRESETS, TUNED_HOST_ALLOCATOR
 from report import add_swept_target, equal_evals, plot, print_table, speedups, summarize, sweep_fraction
 
 
+class ArmFailed(SystemExit):
+    """An arm's process that ended in an error. A SystemExit, so that the Trainer's or the hybrid's failure ends the
+    benchmark with the arm's own error text; a peer's is caught and recorded in the report."""
+
+    def __init__(self, arm: str, stderr: str):
+        lines = [line for line in stderr.splitlines() if line.strip()]
+        self.reason = lines[-1] if lines else "no error text"
+        super().__init__(f"benchmark: the {arm} arm failed:\n{stderr[-4000:]}")
+
+
 def launch(arm: str, args, out_dir: Path, target: float | None, overrides: dict,
            learning_rate: float | None = None) -> ArmResult:
     # The memory mode needs no eval curve: one evaluation at the end keeps its long runs short.
@@ -54,7 +64,7 @@ def launch(arm: str, args, out_dir: Path, target: float | None, overrides: dict,
     print(f"{arm} arm:", flush=True)
     done = subprocess.run(cmd, env=env, stderr=subprocess.PIPE, text=True)  # its progress lines go to the screen
     if done.returncode != 0:
-        sys.exit(f"benchmark: the {arm} arm failed:\n{done.stderr[-4000:]}")
+        raise ArmFailed(arm, done.stderr)
     for line in done.stderr.splitlines():  # the trainer's end lines, as a user's own run shows them
         if "hf_hybrid: " in line:
             print(f"  {line[line.index('hf_hybrid: '):]}", flush=True)
@@ -139,42 +149,54 @@ def main() -> None:
     sf_swept_lr = args.sf_learning_rate or PRESETS[args.preset].get("sf_learning_rate", swept_lr)
     peer_lrs = {"ema": lr, "sf": lr, "sf-swept": sf_swept_lr, "swept": swept_lr, "prodigy": 1.0, "mechanic": 1.0}
     peers = {name: [] for name in PEER_ARMS if name in args.arms.split(",")}
-    baselines, hybrids = [], []
+    baselines, hybrids, failed = [], [], {}
     target, alternating = None, alternates(args, peers)
     for r in range(args.repeats):
         # Odd pairs run the hybrid first where they may, so that the machine's speed drifting across a pair falls on
-        # each arm alike; it chases the previous pair's target, which `alternates` makes this pair's too.
+        # each arm alike; it chases the previous pair's target, which `alternates` makes this pair's too. Otherwise the
+        # Trainer runs first, then the swept Trainer (whose loss the hybrid may chase), the hybrid, and the other peers:
+        # a run cut off by its time limit has run the arms that matter most.
         hybrid_first = r % 2 == 1 and alternating
-        if hybrid_first:
-            hyb = launch("hybrid", args, root / f"hybrid-{r}", target=target if args.mode == "speed" else None,
-                         overrides=overrides, learning_rate=lr)
-        base = launch("baseline", args, root / f"baseline-{r}", target=None, overrides={}, learning_rate=lr)
-        if hybrid_first and args.mode == "speed" and base.evals[-1][2] != target:
-            print(f"[pair {r}] the Trainer ended at {base.evals[-1][2]:.6f}, not the {target:.6f} the hybrid chased: "
-                  f"this pair's time to target is read against its own Trainer's loss", flush=True)
-        target = base.evals[-1][2]
-        baselines.append(base)
-        for name, results in peers.items():
-            results.append(launch(name, args, root / f"{name}-{r}", target=None, overrides={},
-                                  learning_rate=peer_lrs[name]))
-            print(f"[pair {r}] {PEER_ARMS[name]}: eval {results[-1].evals[-1][2]:.4f}", flush=True)
-        # Outside the speed mode both arms run the same steps; in it the hybrid chases the target, or the swept
-        # Trainer's loss where that is lower.
-        chase = min(target, peers["swept"][-1].evals[-1][2]) if "swept" in peers else target
-        if not hybrid_first:
-            hyb = launch("hybrid", args, root / f"hybrid-{r}", target=chase if args.mode == "speed" else None,
-                         overrides=overrides, learning_rate=lr)
-        hybrids.append(hyb)
+        order = ["hybrid", "baseline"] if hybrid_first else [
+            "baseline", *(["swept"] if "swept" in peers else []), "hybrid", *(n for n in peers if n != "swept")]
+        order = [arm for arm in order if arm not in failed]
+        for ran, arm in enumerate(order, 1):
+            if arm == "baseline":
+                base = launch("baseline", args, root / f"baseline-{r}", target=None, overrides={}, learning_rate=lr)
+                if hybrid_first and args.mode == "speed" and base.evals[-1][2] != target:
+                    print(f"[pair {r}] the Trainer ended at {base.evals[-1][2]:.6f}, not the {target:.6f} the hybrid "
+                          "chased: this pair's time to target is read against its own Trainer's loss", flush=True)
+                target = base.evals[-1][2]
+                baselines.append(base)
+            elif arm == "hybrid":
+                # Outside the speed mode both arms run the same steps; in it the hybrid chases the target, or the
+                # swept Trainer's loss where that is lower.
+                swept = peers.get("swept", [])
+                chase = min(target, swept[-1].evals[-1][2]) if len(swept) == r + 1 else target
+                hyb = launch("hybrid", args, root / f"hybrid-{r}", target=chase if args.mode == "speed" else None,
+                             overrides=overrides, learning_rate=lr)
+                hybrids.append(hyb)
+            else:
+                try:
+                    peers[arm].append(launch(arm, args, root / f"{arm}-{r}", target=None, overrides={},
+                                             learning_rate=peer_lrs[arm]))
+                    print(f"[pair {r}] {PEER_ARMS[arm]}: eval {peers[arm][-1].evals[-1][2]:.4f}", flush=True)
+                except ArmFailed as failure:  # a peer's optimizer that does not import fails its own arm alone
+                    failed[arm] = failure.reason
+                    print(f"[pair {r}] {PEER_ARMS[arm]}: failed, not run again: {failure.reason}", flush=True)
+            if len(baselines) == r + 1:  # a hybrid run first waits for its pair's target
+                report = write_report(args, root, settings, overrides, lr, swept_lr, peer_lrs, baselines, hybrids,
+                                      peers, failed, not_run=order[ran:])
         print(f"[pair {r}] baseline {base.train_seconds:.1f}s eval {target:.4f} | hybrid {hyb.train_seconds:.1f}s "
               f"eval {hyb.evals[-1][2]:.4f} reached={hyb.reached_step}", flush=True)
-        report = write_report(args, root, settings, overrides, lr, swept_lr, peer_lrs, baselines, hybrids, peers)
     print_table(report)
     plot(root, baselines[0], hybrids[0], target)
 
 
 def write_report(args, root: Path, settings: dict, overrides: dict, lr: float, swept_lr: float, peer_lrs: dict,
-                 baselines: list, hybrids: list, peers: dict) -> dict:
-    """The report of the pairs run so far, rewritten after each: a run cut off by its time limit keeps its pairs."""
+                 baselines: list, hybrids: list, peers: dict, failed: dict, not_run: list) -> dict:
+    """The report of the arms run so far, rewritten after each: a run cut off by its time limit keeps what it ran, and
+    names the arms of its last pair that it did not (`not_run`) and those that failed (`failed_arms`)."""
     # Each pair has its own target, its baseline's final eval loss: on a GPU, runs with the same seed still differ
     # in the last digits (non-deterministic kernels), so one pair's target is not another's.
     targets = [b.evals[-1][2] for b in baselines]
@@ -182,29 +204,32 @@ def write_report(args, root: Path, settings: dict, overrides: dict, lr: float, s
               "targets": targets, "overrides": overrides, "preset_settings": settings,
               "learning_rate": lr, "lr_scale": args.lr_scale, "swept_learning_rate": swept_lr,
               "baseline": [summarize(b, t) for b, t in zip(baselines, targets)],
-              "hybrid": [summarize(h, t) for h, t in zip(hybrids, targets)], "environment": environment()}
-    for name, results in peers.items():
+              "hybrid": [summarize(h, t) for h, t in zip(hybrids, targets)], "environment": environment(),
+              "failed_arms": failed, "not_run": not_run}
+    for name, results in ((n, r) for n, r in peers.items() if r):
         report[name] = [summarize(a, t) for a, t in zip(results, targets)]
         report[f"{name}_speedups"] = speedups(report, name)
         report[f"{name}_update_speedups"] = speedups(report, name, "updates_to_target")
         report[f"{name}_learning_rate"] = peer_lrs[name]
-    if "swept" in peers:
-        add_swept_target(report, [s.evals[-1][2] for s in peers["swept"]], ["baseline", "hybrid", *peers])
-        report["sweep_fraction"] = {arm: sweep_fraction(report, arm) for arm in ("hybrid", *peers)}
+    if peers.get("swept"):
+        ran = [arm for arm in ("hybrid", *peers) if arm in report]
+        add_swept_target(report, [s.evals[-1][2] for s in peers["swept"]], ["baseline", *ran])
+        report["sweep_fraction"] = {arm: sweep_fraction(report, arm) for arm in ran}
     if args.mode == "memory":
         report["memory_curves"] = {"baseline": [b.memory_curve for b in baselines],
                                    "hybrid": [h.memory_curve for h in hybrids]}
     if args.mode == "overhead":
         ratios = [h["median_real_step_seconds"] / b["median_real_step_seconds"]
                   for b, h in zip(report["baseline"], report["hybrid"])]
-        report["step_time_ratio_median"] = statistics.median(ratios)
+        report["step_time_ratio_median"] = statistics.median(ratios) if ratios else None
         report["step_time_ratios"] = ratios
     else:
         report["speedups"] = speedups(report, "hybrid")
         report["update_speedups"] = speedups(report, "hybrid", "updates_to_target")
         report["equal_evals"] = [equal_evals(b, h) for b, h in zip(report["baseline"], report["hybrid"])]
         reached = [s for s in report["speedups"] if s is not None]
-        report["speedup_median"] = statistics.median(reached) if len(reached) == len(report["speedups"]) else None
+        report["speedup_median"] = statistics.median(reached) if reached and len(reached) == len(
+            report["speedups"]) else None
     (root / "report.json").write_text(json.dumps(report, indent=2))
     return report
 

@@ -33,7 +33,7 @@ def part_rows(report: dict) -> list[dict]:
     """Per arm of pair 0 (or the median over pairs): final loss, speedups in updates and wall clock, G."""
     rows = []
     for arm in ("baseline", "hybrid", *PEER_ARMS):
-        if arm not in report:
+        if not report.get(arm):  # not asked for, failed, or cut off before it ran
             continue
         wall = [s for s in speedups(report, arm) if s is not None]
         updates = [s for s in speedups(report, arm, "updates_to_target") if s is not None]
@@ -63,7 +63,11 @@ def render(name: str, report: dict, rows: list[dict]) -> list[str]:
     if report["repeats"] > 1:
         lines.append(f"  hybrid per pair, wall: {', '.join(map(_x, speedups(report, 'hybrid')))}; evaluations bit "
                      f"for bit: {', '.join(f'{e[0]}/{e[1]}' for e in report.get('equal_evals', []))}")
-    stats = report["hybrid"][0].get("hybrid_stats") if "hybrid" in report else None
+    for arm, reason in report.get("failed_arms", {}).items():
+        lines.append(f"  {LABELS[arm]:38} failed: {reason}")
+    if report.get("not_run"):
+        lines.append(f"  cut off by the part's limit before: {', '.join(LABELS[arm] for arm in report['not_run'])}")
+    stats = report["hybrid"][0].get("hybrid_stats") if report.get("hybrid") else None
     if stats:
         lines.append(f"  hybrid: lr scale {stats.get('lr_scale')}, {stats.get('lr_readings')} readings, "
                      f"{stats.get('predict_steps')} predicted steps, {stats.get('undone_steps', 0)} undone")
@@ -88,7 +92,8 @@ def main() -> None:
         name = path.parent.parent.name
         rows = part_rows(report)
         suite[name] = {"preset": report["preset"], "environment": report.get("environment"), "rows": rows,
-                       "targets": report["targets"], "equal_evals": report.get("equal_evals")}
+                       "targets": report["targets"], "equal_evals": report.get("equal_evals"),
+                       "failed_arms": report.get("failed_arms", {}), "not_run": report.get("not_run", [])}
         lines += render(name, report, rows)
     print("\n".join(lines) if lines else "no speed report was written")
     if args.json:

@@ -140,6 +140,8 @@ def print_peers(report: dict) -> None:
             g = report["sweep_fraction"][arm]
             line += f"  | G {_fractions(g['updates'])} in updates, {_fractions(g['wall'])} in wall clock"
         print(line)
+    for arm, reason in report.get("failed_arms", {}).items():
+        print(f"  {PEER_ARMS[arm]:32} failed: {reason}")
 
 
 def _speedups(values: list) -> str:
@@ -245,7 +247,7 @@ def print_table(report: dict) -> None:
         # A pair whose evaluations are all equal bit for bit trained the same weights: 1.00x, whatever the clock says.
         print("evaluations equal to the baseline's bit for bit: "
               + ", ".join(f"{same} of {compared}" for same, compared in report["equal_evals"]))
-    if any(arm in report for arm in PEER_ARMS):
+    if any(arm in report for arm in PEER_ARMS) or report.get("failed_arms"):
         print_peers(report)
 
 

@@ -158,3 +158,56 @@ def test_a_run_cut_off_after_a_pair_keeps_that_pairs_report(tmp_path, monkeypatc
     assert launched == ["baseline", "hybrid"]
     assert report["repeats"] == 1 and len(report["baseline"]) == len(report["hybrid"]) == 1
     assert len(report["step_time_ratios"]) == 1
+
+
+def test_a_peer_that_fails_is_named_and_a_part_cut_off_keeps_the_arms_it_ran(tmp_path, monkeypatch, capsys):
+    """A GPU part runs its arms once each under a time limit: the report is rewritten after every arm, so one cut off
+    keeps the arms it ran and names those it did not; the swept Trainer and the hybrid run before the other peers; and
+    a peer whose optimizer does not import fails its own arm alone."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    import benchmark
+    import gpu_summary
+
+    shadow = tmp_path / "shadow"
+    (shadow / "prodigyopt").mkdir(parents=True)
+    (shadow / "prodigyopt" / "__init__.py").write_text("raise ImportError('prodigyopt is shadowed for this test')\n")
+    monkeypatch.setenv("PYTHONPATH", f"{shadow}:{sys.path[0]}")
+
+    class CutOff(Exception):
+        pass
+
+    launched = []
+
+    def launch(*args, **kwargs):
+        launched.append(args[0])
+        if args[0] == "mechanic":
+            raise CutOff
+        return real_launch(*args, **kwargs)
+
+    real_launch = benchmark.launch
+    monkeypatch.setattr(benchmark, "launch", launch)
+    work = tmp_path / "work"  # the suite's layout: a folder per part, which gpu_summary reads
+    monkeypatch.setattr(sys, "argv", ["benchmark.py", "--preset", "smoke", "--repeats", "1", "--max_steps", "8",
+                                      "--lr_scale", "0.1", "--arms", "hybrid,mechanic,prodigy,swept",
+                                      "--output_dir", str(work / "scratch")])
+    try:
+        benchmark.main()
+    except CutOff:
+        pass
+    assert launched == ["baseline", "swept", "hybrid", "prodigy", "mechanic"]
+    report = json.loads((work / "scratch" / "smoke-speed" / "report.json").read_text())
+    ran = [len(report.get(arm, [])) for arm in ("baseline", "swept", "hybrid", "prodigy", "mechanic")]
+    assert ran == [1, 1, 1, 0, 0]
+    assert report["failed_arms"] == {"prodigy": "ImportError: prodigyopt is shadowed for this test"}
+    assert report["not_run"] == ["mechanic"]
+    # G is read for the arms that ran, against the swept Trainer's loss.
+    assert set(report["sweep_fraction"]) == {"hybrid", "swept"}
+    assert report["sweep_fraction"]["swept"]["updates"] == [1.0]
+
+    capsys.readouterr()
+    monkeypatch.setattr(sys, "argv", ["gpu_summary.py", str(work)])
+    gpu_summary.main()
+    table = capsys.readouterr().out
+    assert "Prodigy" in table and "failed: ImportError: prodigyopt is shadowed for this test" in table
+    assert "cut off by the part's limit before: Mechanic" in table
+    assert [line.split()[0] for line in table.splitlines()[2:5]] == ["Trainer", "HybridHFTrainer", "Trainer"]
