@@ -15,6 +15,7 @@ from transformers.utils import logging
 
 if TYPE_CHECKING:
     from .config import HybridConfig
+    from .loop.seam import HybridTrainer
 
 logger = logging.get_logger(__name__)
 
@@ -69,7 +70,7 @@ def non_finite_veto_only(trainer: Trainer, config: HybridConfig) -> HybridConfig
                    autopilot=replace(config.autopilot, enabled=False))
 
 
-def check_batch_is_data(trainer: Trainer, inputs: object) -> None:
+def check_batch_is_data(trainer: HybridTrainer, inputs: object) -> None:
     """At a step's first micro-batch, where a part re-reads batches as they reach `training_step` (the autopilot's
     probe, a jump's probe, the guard's re-run): a batch that holds no tensor there is built inside the trainer's own
     `training_step` (TRL's online DPO generates its completions there from prompts), and none of them could take a loss

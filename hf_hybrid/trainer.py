@@ -28,7 +28,7 @@ from transformers.utils import logging
 
 from .autopilot.runner import LrAutopilot, build_autopilot
 from .autopilot.setup import autopilot_use, plain_stats
-from .checkpoint import Stateful, find_hybrid_state, load_hybrid_state, load_parts, save_hybrid_state
+from .checkpoint import Stateful, find_hybrid_state, load_parts, save_hybrid_state
 from .config import hybrid_config, ignored_flags
 from .guard.rules import StepGuard
 from .guard.runner import GuardAtLoop, GuardStoppedError
@@ -46,7 +46,7 @@ from .memory.vram import EmergencyCheckpointCallback, VramMonitor
 from .trace import StepTrace
 from .trl_logs import TrlLogsKept
 
-__all__ = ["GuardStoppedError", "HybridHFTrainer", "HybridMixin", "load_hybrid_state"]
+__all__ = ["GuardStoppedError", "HybridHFTrainer", "HybridMixin"]
 
 logger = logging.get_logger(__name__)
 
@@ -62,8 +62,8 @@ class _HybridStepHooks(TrainerCallback):
         self.trainer._hybrid_train_begin(train_dataloader)
 
     def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs) -> None:
-        if self.trainer._hybrid is not None:  # just before the Trainer makes the epoch's DataLoader iterator
-            self.trainer._hybrid.epoch_seed.epoch_begins()
+        if self.trainer.hybrid_engine is not None:  # just before the Trainer makes the epoch's DataLoader iterator
+            self.trainer.hybrid_engine.epoch_seed.epoch_begins()
 
     def on_pre_optimizer_step(self, *args, **kwargs) -> None:
         self.trainer._hybrid_before_optimizer_step()
@@ -211,13 +211,13 @@ class HybridMixin(TrlLogsKept):
 
     # ---- the seam the loop parts use (seam.HybridTrainer) ----------------------------------------------
     @property
-    def hybrid_engine(self) -> HybridEngine:
+    def hybrid_engine(self) -> HybridEngine | None:
         return self._hybrid
 
     def current_learning_rate(self) -> float:
         return float(self.lr_scheduler.get_last_lr()[0])
 
-    def reduce_across_ranks(self, *values) -> list[float]:
+    def reduce_across_ranks(self, *values: torch.Tensor | float) -> list[float]:
         return mean_across_ranks(self.accelerator, self.args.device, values)
 
     def prepare_inputs(self, inputs: dict) -> dict:

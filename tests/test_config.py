@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import get_args
 
 import pytest
 from transformers import HfArgumentParser, TrainingArguments
 
 from hf_hybrid import HybridHFTrainer, HybridTrainingArguments
-from hf_hybrid.config import HYBRID_FIELDS, HybridConfig, hybrid_config
+from hf_hybrid.config import HYBRID_FIELDS, HybridConfig, PredictorName, hybrid_config
+from hf_hybrid.jumps.predictors import PREDICTORS
 
 from .conftest import tiny_gpt2, token_dataset
 
@@ -86,6 +88,10 @@ def test_each_flag_is_read_by_exactly_one_capability_setting():
     read = HybridConfig.flag_names()
     assert sorted(read) == sorted(f.name for f in HYBRID_FIELDS)
     assert len(read) == len(set(read))
+
+
+def test_the_predictor_flag_offers_exactly_the_predictors_there_are():
+    assert set(get_args(PredictorName)) == set(PREDICTORS)
 
 
 def test_the_typed_settings_carry_the_flags_values(tmp_path):

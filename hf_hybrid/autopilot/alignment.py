@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ..memory.placement import CopyPlacement
-from ..memory.shards import local_shard
+from ..memory.shards import local_shard, nbytes
 from ..memory.snapshot import WeightSnapshot
 
 FIRST_STEP, LAST_STEP = 3, 10  # 1-based optimizer steps: the first two have no displacement worth a direction
@@ -58,7 +58,7 @@ class StartAlignment:
         # A resumed run places its copies as it loads, before this part loads its own state: so whether the window
         # is still open is known from the steps made, and the copy's bytes from the weights.
         self.closed = steps_done >= LAST_STEP
-        start_bytes = sum(local_shard(p).numel() * local_shard(p).element_size() for p in params)
+        start_bytes = sum(nbytes(local_shard(p)) for p in params)
         placement.expect_brief(lambda: 0 if self.closed else start_bytes,
                                f"the autopilot's start weights through step {LAST_STEP}")
         self._read: tuple[float, float] | None = None  # the window's sums on the host, once read

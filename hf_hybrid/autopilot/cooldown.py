@@ -17,12 +17,19 @@ from collections.abc import Callable
 
 # The last fifth: the share warmup-stable-decay schedules commonly decay over (the survey's, too).
 COOLDOWN_SHARE = 0.2
+# A schedule below half its peak is in its final decay: it takes a raised scale down itself, and no raise starts there.
+HALF_PEAK = 0.5
+
+
+def schedule_factor(lr_lambdas: list[Callable[[int], float]], position: int) -> float:
+    """The user's schedule's own factor at `position` (the lowest of its parameter groups')."""
+    return min(f(position) for f in lr_lambdas)
 
 
 def cooldown_start(lr_lambdas: list[Callable[[int], float]], max_steps: int) -> int | None:
     """The schedule position where the scale starts back to 1, or None where the schedule's own factor is below half
     its peak by the run's end (it decays the raised scale itself)."""
-    if min(f(max_steps) for f in lr_lambdas) < 0.5:
+    if schedule_factor(lr_lambdas, max_steps) < HALF_PEAK:
         return None
     return max_steps - max(1, math.ceil(COOLDOWN_SHARE * max_steps))
 

@@ -1,13 +1,10 @@
 """A raise past MAX_ALIGNED_RAISE, ramped in: the scale in effect climbs to it linearly over RAMP_STEPS steps.
 
 Only a strongly aligned run's raise can go past MAX_ALIGNED_RAISE (autopilot/scale.py): up to the 32x cap at once,
-sized by a line that may show no bottom. Made at once, such a raise can end a run above the Trainer at the user's LR
-where the same LR reached over a few steps does not: on a LoRA at a tenth of its swept LR, the plain Trainer on the
-hybrid's path (10 warmup steps, then 32x the user's LR at once) ended as far above the Trainer started at the raised LR
-as the hybrid did, and on the same path with the raise spread over 10 steps it ended level with it (docs/benchmarks.md,
-"Two fresh settings, never tuned on"). Spread over 5 steps, the hybrid still ends that LoRA well below the Trainer, and
-gives back most of what a 10-step ramp cost at the user's LR (docs/benchmarks.md, "A raise past 4x ramped in over 5
-steps"). Raises of up to 4x take effect at once: every report measured them that way.
+sized by a line that may show no bottom. Made at once, such a raise can end a run higher than the same LR reached over
+a few steps: the plain Trainer on the hybrid's path does, on a LoRA at a tenth of its swept LR (docs/benchmarks.md, "Two
+fresh settings, never tuned on"). Over RAMP_STEPS steps the raise keeps most of its gain there (docs/benchmarks.md, "A
+raise past 4x ramped in over 5 steps"). Raises of up to 4x take effect at once, as every report measures them.
 
 The verdict (autopilot/verdict.py) sets the raised weights against where the user's LR would have taken them over the
 same batches. Adam's steps are proportional to the learning rate, so under a ramp the raised steps went the mean scale

@@ -22,11 +22,12 @@ from transformers.utils import logging
 
 from ..guard.runner import GuardAtLoop
 from ..loop.adam_state import unreadable_optimizer
+from ..loop.replay import move_batch
 from ..loop.seam import HybridTrainer
 from ..memory.snapshot import WeightSnapshot
 from .alignment import LAST_STEP as ALIGNMENT_LAST_STEP
 from .alignment import StartAlignment
-from .cooldown import cooldown_start, cooled_scale
+from .cooldown import HALF_PEAK, cooldown_start, cooled_scale, schedule_factor
 from .end_line import RunEnd, end_line
 from .line import SPACING, next_step_line
 from .ramp import RaiseRamp
@@ -122,7 +123,7 @@ class LrAutopilot:
 
     def _schedule_factor(self) -> float:
         scheduler = self._scheduler
-        return min(f(scheduler.last_epoch) for f in scheduler.lr_lambdas)
+        return schedule_factor(scheduler.lr_lambdas, scheduler.last_epoch)
 
     def _raises_end(self) -> int:
         """Where the scale stops being judged: the cooldown's start, else the run's end."""
@@ -150,7 +151,7 @@ class LrAutopilot:
         schedule's final decay (below half its peak past the warmup), nor where the run or the judged scale would end
         before its verdict, READ_EVERY steps on: such a raise would never be judged."""
         epoch = self._scheduler.last_epoch
-        return (epoch < self._raise_from() or (epoch >= self._warmup_steps() and self._schedule_factor() < 0.5)
+        return (epoch < self._raise_from() or (epoch >= self._warmup_steps() and self._schedule_factor() < HALF_PEAK)
                 or self._raises_end() - self.trainer.state.global_step < READ_EVERY)
 
     def _wants_reading(self, step: int, real_step: bool) -> bool:
@@ -266,10 +267,10 @@ class LrAutopilot:
         return {"hybrid/lr_scale": float(self._scale_in_effect())}
 
     def state_dict(self) -> dict:
-        probe = {k: v.detach().cpu() for k, v in self.probe.items()} if self.probe is not None else None
         return {"scale": self.scale.state_dict(), "user_base_lrs": list(self.user_base_lrs),
-                "last_reading": self.last_reading, "read_every": self.read_every, "probe": probe,
-                "alignment": self.alignment.state_dict(), "ramp": self.ramp.state_dict()}
+                "last_reading": self.last_reading, "read_every": self.read_every,
+                "probe": move_batch(self.probe, "cpu"), "alignment": self.alignment.state_dict(),
+                "ramp": self.ramp.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         # The scheduler's own state, loaded with the checkpoint, holds the scaled base LRs.
@@ -278,8 +279,7 @@ class LrAutopilot:
         self.read_every = state["read_every"]
         self.alignment.load_state_dict(state["alignment"], self.trainer.hybrid_engine.params)
         self.ramp.load_state_dict(state["ramp"])
-        device = self.trainer.args.device
-        self.probe = {k: v.to(device) for k, v in state["probe"].items()} if state["probe"] is not None else None
+        self.probe = move_batch(state["probe"], self.trainer.args.device)
 
 
 def build_autopilot(trainer: HybridTrainer, guard_loop: GuardAtLoop | None) -> LrAutopilot | None:

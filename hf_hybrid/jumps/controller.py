@@ -196,7 +196,8 @@ class PhaseController:
         self._enter(Phase.FULL)
 
     def reward(self) -> None:
-        """A jump passed its payoff check: wait less before the next one."""
+        """A jump paid (passed its payoff check, or came through its last step where there is none): wait less
+        before the next one."""
         self.backoff = max(self.backoff - 1, 0)
         self.consecutive_rejections = 0
 

@@ -52,7 +52,7 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
                              "the parameters to train (with PEFT: check the adapter config's target_modules), or "
                              "pass --hybrid false.")
         self.config, self.params, self.optimizer = config, params, optimizer
-        self.placement = placement or CopyPlacement(share=0.0)  # the rollback copies': predictor's and guard's
+        self.placement = placement or CopyPlacement.host()  # the rollback copies': predictor's and guard's
         predictor = PREDICTORS[config.predictor.name]
         placed = {"placement": self.placement} if predictor.placed else {}
         self.predictor = predictor(params, optimizer, **placed, **config.predictor.predictor_kwargs())
@@ -65,12 +65,12 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
         self.snapshot = WeightSnapshot(on_host=config.offload_snapshot)
         self.replay = BatchReplay()
         self.epoch_seed = EpochSeedDraw()
-        self._before_step: list[Tensor] | None = None  # parameters before a real optimizer step, while it runs
+        self._before_step = None
         # On an accelerator the copy is freed after each step: the caching allocator hands the same blocks back,
         # and a buffer that lives only around the optimizer step stays out of the forward and backward's peak. On
         # the host it is kept, because glibc would map and unmap it every step.
         self._keep_before_step = not params[0].is_cuda
-        self._measured_last = True  # whether the last real step's update was measured (False: a gap since)
+        self._measured_last = True
         self._predicted: list[Tensor] | None = None
         self.skipped_steps = 0
         self.confidence = 0.0
@@ -148,8 +148,7 @@ class HybridEngine(JumpLifecycle, PredictorFeed):
         """This real step's update is vetoed (`diverged`: a non-finite loss or gradient norm; otherwise the guard's
         verdict on a finite outlier). A jump still open is suspect too."""
         if diverged:
-            self.monitor.non_finite += 1
-            self.monitor.divergences += 1
+            self.monitor.count_non_finite()
         self.skipped_steps += 1
         self.record.skipped = True
         if self.jump_open:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..loop.replay import move_batch
 from .controller import Phase, PhaseController
 
 if TYPE_CHECKING:
@@ -160,13 +161,11 @@ class JumpLifecycle:
 
     def probe_state(self) -> dict:
         """The open jump's probe, for a checkpoint taken while it awaits its verdict."""
-        return {"probe": {k: v.detach().cpu() for k, v in self.probe.items()} if self.probe is not None else None,
-                "probe_loss": self.probe_loss,
+        return {"probe": move_batch(self.probe, "cpu"), "probe_loss": self.probe_loss,
                 "probe_rows": self.probe_rows.cpu() if self.probe_rows is not None else None}
 
     def load_probe_state(self, state: dict, device: torch.device) -> None:
-        self.probe = {k: v.to(device) for k, v in state["probe"].items()} if state["probe"] is not None else None
-        self.probe_loss = state["probe_loss"]
+        self.probe, self.probe_loss = move_batch(state["probe"], device), state["probe_loss"]
         rows = state["probe_rows"]
         self.probe_rows = rows.to(device) if rows is not None else None
 

@@ -25,13 +25,12 @@ from collections import deque
 from dataclasses import dataclass, field
 
 
-def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """Least-squares (value at the last x, slope)."""
+def fit_slope(xs: list[float], ys: list[float]) -> float:
+    """The least-squares line's slope."""
     n = len(xs)
     mx, my = sum(xs) / n, sum(ys) / n
     sxx = sum((x - mx) ** 2 for x in xs)
-    slope = 0.0 if sxx == 0 else sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
-    return my + slope * (xs[-1] - mx), slope
+    return 0.0 if sxx == 0 else sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
 
 
 @dataclass
@@ -72,7 +71,7 @@ class PayoffMeter:
         """Remember how fast plain training was improving, per unit cost."""
         xs = [x for x, _ in self.history]
         ys = [y for _, y in self.history]
-        self.start_rate = max(-fit_line(xs, ys)[1], 0.0) if len(xs) >= 2 else 0.0
+        self.start_rate = max(-fit_slope(xs, ys), 0.0) if len(xs) >= 2 else 0.0
         self.start_clock = self.clock
 
     def use_rate(self, rate: float) -> None:

@@ -35,7 +35,7 @@ def predict_training_step(trainer: HybridTrainer, model: torch.nn.Module, inputs
             probe = trainer.prepare_inputs(inputs)
             loss, rows = probe_loss_by_sequence(trainer, model, probe, probe_items)
             engine.set_probe(probe, trainer.reduce_across_ranks(loss)[0], rows)
-            if getattr(engine.predictor, "cycle_steps", None) is not None:
+            if engine.predictor.cycle_steps is not None:
                 engine.set_cycle_start(anchor_loss(trainer, model, engine, probe_items))
                 at_anchor = True
         engine.apply_prediction(trainer.current_learning_rate(), at_anchor)

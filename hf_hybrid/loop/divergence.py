@@ -59,11 +59,15 @@ class DivergenceMonitor:
         var = self.noise_var / (1 - self.noise_decay**n)
         return max(math.sqrt(var), 1e-3 * max(abs(self.loss_level), 1.0))
 
+    def count_non_finite(self) -> None:
+        """A non-finite loss or gradient norm: a divergence of its own kind."""
+        self.non_finite += 1
+        self.divergences += 1
+
     def loss_diverged(self, loss: float, expected: float | None = None, extra_sigma: float = 0.0) -> bool:
         """True when `loss` is non-finite or above `expected` (default: the recent level) by the band."""
         if non_finite(loss):
-            self.non_finite += 1
-            self.divergences += 1
+            self.count_non_finite()
             return True
         if self.observations < self.min_observations:
             return False
@@ -77,8 +81,7 @@ class DivergenceMonitor:
     def grad_diverged(self, grad_norm: float) -> bool:
         """True when the gradient norm is non-finite or explodes past `grad_explosion_factor` x its trend."""
         if non_finite(0.0, grad_norm):
-            self.non_finite += 1
-            self.divergences += 1
+            self.count_non_finite()
             return True
         if self.observations < self.min_observations or grad_norm <= 0:
             return False

@@ -127,7 +127,14 @@ class BatchReplay:
         self.counted = [saved[i] for i in state["counted"]]
 
 
+def move_batch(batch: dict | None, device: torch.device | str) -> dict | None:
+    """A batch with its tensors on `device` (a checkpoint's on the CPU); None stays None."""
+    if batch is None:
+        return None
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
 def move_unit(unit: Unit, device: torch.device | str) -> Unit:
     batches, num_items = unit
-    moved = [{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()} for batch in batches]
+    moved = [move_batch(batch, device) for batch in batches]
     return moved, num_items.to(device) if isinstance(num_items, torch.Tensor) else num_items

@@ -1,8 +1,8 @@
 """The seam between the Trainer glue (trainer.py) and the parts that act inside its loop (guard/runner.py,
-autopilot/runner.py, jumps/predict_step.py, autopilot/verdict.py, loop/forward_checks.py, jumps/clock.py,
-loop/step_veto.py): what they use of a `HybridHFTrainer` beyond the public `transformers.Trainer` API, named in one
-protocol, so that no part reads the Trainer's private attributes and a reader sees here everything the loop parts ask of
-it."""
+autopilot/runner.py, autopilot/setup.py, autopilot/line.py, autopilot/verdict.py, jumps/predict_step.py,
+jumps/setup.py, jumps/clock.py, loop/forward_checks.py, loop/step_veto.py, launch.py): what they use of a
+`HybridHFTrainer` beyond the public `transformers.Trainer` API, named in one protocol, so that no part reads the
+Trainer's private attributes and a reader sees here everything the loop parts ask of it."""
 
 from __future__ import annotations
 
@@ -37,8 +37,9 @@ class HybridTrainer(Protocol):
     step_losses: StepLosses
 
     @property
-    def hybrid_engine(self) -> HybridEngine:
-        """This train() call's engine: the step's phase, its record, the jump and its undo copy."""
+    def hybrid_engine(self) -> HybridEngine | None:
+        """This train() call's engine: the step's phase, its record, the jump and its undo copy (None outside
+        train())."""
 
     def reduce_across_ranks(self, *values: torch.Tensor | float) -> list[float]:
         """Scalars averaged across ranks in one collective, so that every rank decides on the same numbers."""

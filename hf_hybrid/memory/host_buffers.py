@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .shards import nbytes
+
 
 def host_like(tensors: list[Tensor]) -> list[Tensor]:
     """Uninitialized buffers shaped like `tensors`: in pinned host memory for the accelerator's tensors, else beside
@@ -75,12 +77,11 @@ def pinned_layout(sizes: list[int]) -> list[tuple[int, list[tuple[int, int]]]]:
 def packed_like(tensors: list[Tensor], pin_memory: bool) -> list[Tensor]:
     """Uninitialized host buffers shaped like `tensors`, as views into the allocations of `pinned_layout`."""
     buffers: list[Tensor | None] = [None] * len(tensors)
-    for capacity, members in pinned_layout([t.numel() * t.element_size() for t in tensors]):
+    for capacity, members in pinned_layout([nbytes(t) for t in tensors]):
         block = torch.empty(capacity, dtype=torch.uint8, pin_memory=pin_memory)
         for i, offset in members:
             t = tensors[i]
-            nbytes = t.numel() * t.element_size()
-            buffers[i] = block[offset:offset + nbytes].view(t.dtype).view(t.shape)
+            buffers[i] = block[offset:offset + nbytes(t)].view(t.dtype).view(t.shape)
     return buffers
 
 

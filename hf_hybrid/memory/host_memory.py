@@ -16,14 +16,12 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
-from torch import Tensor
-
+from .shards import GB, nbytes
 from .snapshot import TrainingSnapshot
 
 if TYPE_CHECKING:
     from ..jumps.engine import HybridEngine
 
-_GB = 1e9
 _MEMINFO, _OWN_CGROUPS, _CGROUP_ROOT = Path("/proc/meminfo"), Path("/proc/self/cgroup"), Path("/sys/fs/cgroup")
 
 
@@ -100,14 +98,14 @@ def rollback_state_bytes(engine: HybridEngine, snapshot: TrainingSnapshot) -> Ro
     `--hybrid_offload_snapshot` the jump's undo copy; none of the guard's and the predictor's where the placement put
     them on the device (memory/placement.py)."""
     shards = engine.shards()
-    param_bytes = sum(_nbytes(t) for t in shards)
+    param_bytes = sum(nbytes(t) for t in shards)
     copies, buffers = engine.predictor.host_buffers()
-    held, guard = sum(_nbytes(t) for t in buffers), 0
+    held, guard = sum(nbytes(t) for t in buffers), 0
     if snapshot.holds_copy and not snapshot.placement.on_device:
         state = snapshot.optimizer_state.tensors or []
-        guard = param_bytes + sum(_nbytes(t) for t in state)
+        guard = param_bytes + sum(nbytes(t) for t in state)
         own = [] if snapshot.weights.adopted else snapshot.weights.tensors or []
-        held += sum(_nbytes(t) for t in [*state, *own])
+        held += sum(nbytes(t) for t in [*state, *own])
     undo = param_bytes if engine.snapshot.on_host and shards and shards[0].device.type != "cpu" else 0
     held += undo if engine.snapshot.tensors is not None else 0
     return RollbackStateBytes(copies * param_bytes + guard + undo, held, guard, param_bytes, undo)
@@ -124,18 +122,14 @@ def host_memory_warning(size: RollbackStateBytes, available: int | None, ranks_o
         return None
     machine = f"this machine's {ranks_on_machine} ranks need" if ranks_on_machine > 1 else "that is"
     return (f"hf_hybrid: the rollback state (the guard's snapshot, the outer predictor's anchor and momentum) can take "
-            f"up to {size.at_most / _GB:.1f} GB of host memory on this rank ({size.at_most / size.params:.1f}x the "
-            f"parameters' {size.params / _GB:.2f} GB); {machine} {more / _GB:.1f} GB more than now, after a save, "
+            f"up to {size.at_most / GB:.1f} GB of host memory on this rank ({size.at_most / size.params:.1f}x the "
+            f"parameters' {size.params / GB:.2f} GB); {machine} {more / GB:.1f} GB more than now, after a save, "
             f"through a learning-rate trial or in a cycle longer than --hybrid_guard_snapshot_steps, and this machine "
-            f"has {available / _GB:.1f} GB available, so the run may be killed for memory then. Free host memory, or "
-            f"pass --hybrid_guard_snapshot_steps 0: the guard then keeps no snapshot ({size.guard / _GB:.1f} GB less "
+            f"has {available / GB:.1f} GB available, so the run may be killed for memory then. Free host memory, or "
+            f"pass --hybrid_guard_snapshot_steps 0: the guard then keeps no snapshot ({size.guard / GB:.1f} GB less "
             f"a rank) and only skips steps.")
 
 
 def local_ranks() -> int:
     """The ranks on this machine, as torchrun (and so `accelerate launch`) sets them."""
     return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-
-
-def _nbytes(t: Tensor) -> int:
-    return t.numel() * t.element_size()

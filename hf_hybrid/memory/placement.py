@@ -27,10 +27,10 @@ from torch import Tensor
 from transformers.utils import logging
 
 from .host_buffers import host_like
+from .shards import GB
 
 logger = logging.get_logger(__name__)
 
-_GB = 1e9
 
 
 def room_at_peak(device: torch.device) -> int:
@@ -52,6 +52,12 @@ class CopyPlacement:
         self.brief_on_device: bool | None = None  # the same, for the copy held through the first steps
         self._sizes: list[Callable[[], int]] = []
         self._brief: tuple[Callable[[], int], str] | None = None
+
+    @classmethod
+    def host(cls) -> CopyPlacement:
+        """Every copy in host memory (pinned on an accelerator): for a part built on its own, outside a run's
+        placement."""
+        return cls(share=0.0)
 
     def expect(self, nbytes: Callable[[], int]) -> None:
         """An owner's most bytes, read when the choice is made (the optimizer's state exists only from its first
@@ -102,10 +108,10 @@ class CopyPlacement:
         why = "fit in" if self.on_device else "would take more than"
         brief_line = ""
         if brief and self.brief_on_device:
-            brief_line = f"; so are {self._brief[1]} ({brief / _GB:.2f} GB)"
+            brief_line = f"; so are {self._brief[1]} ({brief / GB:.2f} GB)"
         elif brief and self.on_device:
-            brief_line = f"; {self._brief[1]} ({brief / _GB:.2f} GB) stay in pinned host memory: they would not fit too"
+            brief_line = f"; {self._brief[1]} ({brief / GB:.2f} GB) stay in pinned host memory: they would not fit too"
         logger.warning(f"hf_hybrid: the rollback copies (the guard's snapshot, the outer anchor and momentum: "
-                       f"{need / _GB:.2f} GB at most) are kept {where}: they {why} {self.share:.0%} of the "
-                       f"{room / _GB:.1f} GB the GPU had free at the run's peak so far "
+                       f"{need / GB:.2f} GB at most) are kept {where}: they {why} {self.share:.0%} of the "
+                       f"{room / GB:.1f} GB the GPU had free at the run's peak so far "
                        f"(--hybrid_device_copies_share){brief_line}.")

@@ -5,6 +5,13 @@ from __future__ import annotations
 
 from torch import Tensor
 
+GB = 1e9  # the unit of the hybrid's lines about memory
+
+
+def nbytes(t: Tensor) -> int:
+    """The bytes a tensor's elements take."""
+    return t.numel() * t.element_size()
+
 
 def local_shard(t: Tensor) -> Tensor:
     """This rank's part of a tensor: under FSDP2 a DTensor's local shard, which aliases the parameter's storage so

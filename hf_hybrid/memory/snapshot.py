@@ -14,7 +14,7 @@ from torch import Tensor
 
 from .host_buffers import HostCopies, host_like, release_cached_pinned_memory
 from .placement import CopyPlacement
-from .shards import load_tensors, local_shard, local_shards
+from .shards import load_tensors, local_shard, local_shards, nbytes
 
 
 class WeightSnapshot:
@@ -131,7 +131,7 @@ class TrainingSnapshot:
     def __init__(self, replicated: bool = False, placement: CopyPlacement | None = None) -> None:
         self.replicated = replicated
         self.holds_copy = not replicated or dist.get_rank() == 0  # whether this rank keeps the parameter-sized copy
-        self.placement = placement or CopyPlacement(share=0.0)
+        self.placement = placement or CopyPlacement.host()
         self.weights = WeightSnapshot(placement=self.placement)
         self.optimizer_state = WeightSnapshot(placement=self.placement)  # the parameter-sized entries (AdamW's moments)
         self.counters = WeightSnapshot(on_host=True)  # the 0-dimensional ones (AdamW's step), on every rank
@@ -224,7 +224,7 @@ def snapshot_bytes(params: list[Tensor], optimizer: torch.optim.Optimizer) -> in
     """The most a `TrainingSnapshot` holds in parameter-sized copies on this rank: a copy of the weights of its own and
     the optimizer's state (AdamW: 3x the parameters)."""
     state, _ = _split_counters(_optimizer_entries(params, optimizer)[1])
-    return sum(t.numel() * t.element_size() for t in [*local_shards(params), *state])
+    return sum(nbytes(t) for t in [*local_shards(params), *state])
 
 
 def _split_counters(tensors: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:

@@ -30,7 +30,7 @@ class AdamPredictor(StepwisePredictor):
         if missing:
             raise ValueError(f"hybrid_predictor='adam': {len(missing)} trainable parameters are not in the optimizer, "
                              "whose moments it reads. Give the optimizer every trainable parameter, or use "
-                             "--hybrid_predictor outer (the default).")
+                             "--hybrid_predictor outer.")
         if reason := unreadable_optimizer(optimizer):
             raise ValueError(f"hybrid_predictor='adam' needs {reason}. Use --hybrid_predictor velocity instead.")
 

@@ -49,6 +49,9 @@ class Predictor(ABC):
     # copies' placement (memory/placement.py) for them. A stepwise predictor's buffer is read and written at every
     # real step, so it stays beside the parameters.
     placed: ClassVar[bool] = False
+    # Real updates since the outer cycle's anchor; None for a predictor that has no cycles (a stepwise one), whose
+    # jumps start from the weights in place and which has no anchor to load.
+    cycle_steps: int | None = None
 
     def __init__(self, params: list[Tensor], optimizer: torch.optim.Optimizer) -> None:
         self.params = params
@@ -110,9 +113,14 @@ class Predictor(ABC):
         parameters."""
         return 0, []
 
+    def load_anchor(self) -> None:
+        """Put the cycle's anchor into the parameters (a predictor with cycles: `cycle_steps` is not None)."""
+        raise TypeError(f"the {self.name} predictor has no cycle anchor to load")
+
     @abstractmethod
-    def apply_(self, lr: float) -> None:
-        """Apply one predicted step to the parameters' local shards, in place."""
+    def apply_(self, lr: float, start: list[Tensor] | None = None) -> None:
+        """Apply one predicted step to the parameters' local shards, in place. `start`: where the jump begins when
+        the parameters hold the cycle's anchor instead (`load_anchor`)."""
 
     def state_dict(self) -> dict:
         return {"observed": self.observed, "last_residual": self.last_residual}
@@ -139,18 +147,16 @@ class StepwisePredictor(Predictor):
         local shard, and so is the result."""
 
     @torch.no_grad()
-    def apply_(self, lr: float) -> None:
-        """Apply one predicted step to the parameters, in place."""
+    def apply_(self, lr: float, start: list[Tensor] | None = None) -> None:
+        """Apply one predicted step to the parameters, in place (from where they are: no cycle, so no `start`)."""
         for i, p in enumerate(self.params):
             shard = local_shard(p)
             shard.add_(self.direction(i, shard, lr), alpha=float(self.gains[i]))
 
     @torch.no_grad()
-    def measure_residual(self, updates: list[Tensor], predicted: list[Tensor]) -> float:
-        """Compare a real update with the un-gained prediction made from the same state; refit the gains.
-
-        Returns the relative residual ||real - gain * predicted|| / ||real|| over all parameters.
-        """
+    def measure_residual(self, updates: list[Tensor], predicted: list[Tensor]) -> None:
+        """Compare a real update with the un-gained prediction made from the same state; refit the gains, and keep
+        the relative residual ||real - gain * predicted|| / ||real|| over all parameters (`last_residual`)."""
         # Three sums per tensor, read back in one transfer: ||u - g d||^2 = uu - 2 g ud + g^2 dd.
         sums = torch.stack([
             torch.stack([(u * u).sum(dtype=torch.float64), (u * d).sum(dtype=torch.float64),
@@ -168,7 +174,6 @@ class StepwisePredictor(Predictor):
             num += max(uu - 2 * g * ud + g * g * dd, 0.0)
             den += uu
         self.last_residual = math.sqrt(num / max(den, 1e-30))
-        return self.last_residual
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "gains": self.gains.clone()}

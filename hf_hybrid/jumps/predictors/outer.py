@@ -34,7 +34,7 @@ from torch import Tensor
 
 from ...memory.host_buffers import HostCopies
 from ...memory.placement import CopyPlacement
-from ...memory.shards import load_tensors, local_shards
+from ...memory.shards import load_tensors, local_shards, nbytes
 from .base import Predictor
 
 
@@ -49,14 +49,14 @@ class OuterMomentumPredictor(Predictor):
     def __init__(self, params: list[Tensor], optimizer: torch.optim.Optimizer, period: int, outer_lr: float,
                  momentum: float, placement: CopyPlacement | None = None) -> None:
         super().__init__(params, optimizer)
-        self.placement = placement or CopyPlacement(share=0.0)
+        self.placement = placement or CopyPlacement.host()
         self.period, self.outer_lr, self.momentum = period, outer_lr, momentum
         # Under DDP every rank holds the same weights, so rank 0 alone keeps the outer state and computes each jump,
         # which it broadcasts: 2x the parameters per job instead of per rank (FSDP2: each rank its shards).
         self.replicated = not self.shard_groups and dist.is_initialized() and dist.get_world_size() > 1
         self.holds_state = not self.replicated or dist.get_rank() == 0
         if self.holds_state:
-            self.placement.expect(lambda: 2 * sum(t.numel() * t.element_size() for t in local_shards(params)))
+            self.placement.expect(lambda: 2 * sum(nbytes(t) for t in local_shards(params)))
         self.anchor: list[Tensor] | None = None  # on the ranks that hold the state
         self.anchored = False  # on every rank
         # A new cycle starts at the next accepted real step: the jump was judged, or the weights were put back.
