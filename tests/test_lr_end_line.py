@@ -59,6 +59,16 @@ def test_a_run_that_only_read_says_what_the_readings_cost_and_one_that_did_not_r
     assert end_line(LrScale(), RUN) is None
 
 
+def test_a_run_whose_first_steps_read_opposed_says_so_and_why_no_raise_was_tried():
+    """An opposed run starts no raise at all (autopilot/alignment.py): the line names the reading and where, on record,
+    such runs were, instead of calling the LR known to be right."""
+    opposed = RunEnd(**{**vars(RUN), "readings": 5, "reading_seconds": 2.5, "opposed_at": -0.016})
+    assert end_line(LrScale(readings=5), opposed) == (
+        "hf_hybrid: the learning rate 0.0001 was kept: its first steps read opposed (-0.016: the updates turned back "
+        "along the way they came), as on record only at or above a setting's swept learning rate, so no raise was "
+        "tried; the autopilot's 5 readings (three forwards each) took 2.5 s, 2.5% of this train() call's time.")
+
+
 def test_a_raise_held_by_the_cap_says_the_lr_may_lie_higher():
     """A strongly aligned run at 16x reads a line whose bottom is 12 of today's steps away, asking for 6x: the cap lets
     2x through, and the end line names the rest beside its advice."""

@@ -201,15 +201,17 @@ def test_with_no_warmup_a_line_read_in_the_first_descent_counts_only_from_four_t
     assert scales[raised_at - 2] == 1.0 and scales[raised_at - 1] == pytest.approx(2.0), scales  # raised there
 
 
-def test_a_run_whose_first_steps_read_opposed_reads_its_lines_and_never_raises(tmp_out, monkeypatch):
+def test_a_run_whose_first_steps_read_opposed_reads_its_lines_and_never_raises(tmp_out, monkeypatch, caplog):
     """Every line reads 10 steps, as in the test above, where a run that reads neither aligned nor opposed raises at
     step 40; one whose first steps read opposed (autopilot/alignment.py) reads at the same steps and keeps the user's
-    LR at every one."""
+    LR at every one, and its end line says why."""
     monkeypatch.setattr("hf_hybrid.autopilot.scale.reach_of_line", lambda f0, f1, f2: 10.0 / SPACING)
     monkeypatch.setattr("hf_hybrid.autopilot.alignment.ALIGNED", math.inf)
     monkeypatch.setattr("hf_hybrid.autopilot.alignment.OPPOSED", math.inf)
-    read_at, scales = readings_and_scales_under_a_warmup(tmp_out / "hybrid", max_steps=70)
+    with caplog.at_level(logging.WARNING):
+        read_at, scales = readings_and_scales_under_a_warmup(tmp_out / "hybrid", max_steps=70)
     assert read_at[:3] == [20, 30, 40] and set(scales) == {1.0}, (read_at, scales)
+    assert "was kept: its first steps read opposed (" in caplog.text and "so no raise was tried" in caplog.text
 
 
 @pytest.mark.parametrize("strongly", [False, True])

@@ -21,6 +21,7 @@ class RunEnd:
     readings: int  # readings taken by this process
     reading_seconds: float
     train_seconds: float  # this train() call's time so far
+    opposed_at: float | None = None  # the first steps' alignment where it read opposed (autopilot/alignment.py)
 
 
 def end_line(scale: LrScale, run: RunEnd) -> str | None:
@@ -44,9 +45,14 @@ def end_line(scale: LrScale, run: RunEnd) -> str | None:
     if run.readings:  # all it did was read: say what that cost
         share = run.reading_seconds / max(run.train_seconds, 1e-9)
         readings = f"{run.readings} reading{'' if run.readings == 1 else 's'} (three forwards each)"
-        return (f"hf_hybrid: the learning rate {user:.2g} was kept; the autopilot's {readings} took "
-                f"{run.reading_seconds:.1f} s, {100 * share:.1f}% of this train() call's time; --hybrid_lr_autopilot "
-                f"false skips the readings where the learning rate is known to be right.")
+        cost = (f"the autopilot's {readings} took {run.reading_seconds:.1f} s, {100 * share:.1f}% of this train() "
+                f"call's time")
+        if run.opposed_at is not None:
+            return (f"hf_hybrid: the learning rate {user:.2g} was kept: its first steps read opposed "
+                    f"({run.opposed_at:+.3f}: the updates turned back along the way they came), as on record only at "
+                    f"or above a setting's swept learning rate, so no raise was tried; {cost}.")
+        return (f"hf_hybrid: the learning rate {user:.2g} was kept; {cost}; --hybrid_lr_autopilot false skips the "
+                f"readings where the learning rate is known to be right.")
     return None
 
 

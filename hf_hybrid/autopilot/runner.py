@@ -253,7 +253,7 @@ class LrAutopilot:
     def summary(self) -> str | None:
         """The end line (autopilot/end_line.py)."""
         return end_line(self.scale, RunEnd(
-            user_lr=self.user_base_lrs[0],
+            user_lr=self.user_base_lrs[0], opposed_at=self.alignment.mean if self.alignment.opposed else None,
             cooldown_steps=self.trainer.state.max_steps - self._cooldown_start() if self._cooling() else None,
             readings=self.readings_here, reading_seconds=self.reading_seconds,
             train_seconds=time.perf_counter() - self.train_started))
