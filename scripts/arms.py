@@ -33,6 +33,7 @@ class ArmResult:
     memory_curve: list = field(default_factory=list)  # [step, peak allocated MB so far, reserved MB] (CUDA)
     n_params: int = 0
     cuda: bool = False
+    device: str = "cpu"  # the GPU's name, read in the arm's own process: the parent makes no CUDA context of its own
     hybrid_stats: dict | None = None
     reached_step: int | None = None
 
@@ -192,6 +193,7 @@ def run_arm(arm: str, preset: dict, out_dir: Path, seed: int, hybrid_overrides: 
     result.steps = trainer.state.global_step
     result.n_params = sum(p.numel() for p in model.parameters())
     result.cuda = cuda
+    result.device = torch.cuda.get_device_name() if cuda else "cpu"
     result.train_seconds = clock.train_seconds
     autopilot = getattr(trainer, "_lr_autopilot", None)
     if autopilot is not None:  # the library's own clock on its readings (a device wait on either side of each)

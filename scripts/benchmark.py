@@ -161,32 +161,40 @@ def main() -> None:
             "baseline", *(["swept"] if "swept" in peers else []), "hybrid", *(n for n in peers if n != "swept")]
         order = [arm for arm in order if arm not in failed]
         for ran, arm in enumerate(order, 1):
-            if arm == "baseline":
-                base = launch("baseline", args, root / f"baseline-{r}", target=None, overrides={}, learning_rate=lr)
-                if hybrid_first and args.mode == "speed" and base.evals[-1][2] != target:
-                    print(f"[pair {r}] the Trainer ended at {base.evals[-1][2]:.6f}, not the {target:.6f} the hybrid "
-                          "chased: this pair's time to target is read against its own Trainer's loss", flush=True)
-                target = base.evals[-1][2]
-                baselines.append(base)
-            elif arm == "hybrid":
-                # Outside the speed mode both arms run the same steps; in it the hybrid chases the target, or the
-                # swept Trainer's loss where that is lower.
-                swept = peers.get("swept", [])
-                chase = min(target, swept[-1].evals[-1][2]) if len(swept) == r + 1 else target
-                hyb = launch("hybrid", args, root / f"hybrid-{r}", target=chase if args.mode == "speed" else None,
-                             overrides=overrides, learning_rate=lr)
-                hybrids.append(hyb)
-            else:
-                try:
+            fatal = None
+            try:
+                if arm == "baseline":
+                    base = launch("baseline", args, root / f"baseline-{r}", target=None, overrides={},
+                                  learning_rate=lr)
+                    if hybrid_first and args.mode == "speed" and base.evals[-1][2] != target:
+                        print(f"[pair {r}] the Trainer ended at {base.evals[-1][2]:.6f}, not the {target:.6f} the "
+                              "hybrid chased: this pair's time to target is read against its own Trainer's loss",
+                              flush=True)
+                    target = base.evals[-1][2]
+                    baselines.append(base)
+                elif arm == "hybrid":
+                    # Outside the speed mode both arms run the same steps; in it the hybrid chases the target, or the
+                    # swept Trainer's loss where that is lower.
+                    swept = peers.get("swept", [])
+                    chase = min(target, swept[-1].evals[-1][2]) if len(swept) == r + 1 else target
+                    hyb = launch("hybrid", args, root / f"hybrid-{r}", target=chase if args.mode == "speed" else None,
+                                 overrides=overrides, learning_rate=lr)
+                    hybrids.append(hyb)
+                else:
                     peers[arm].append(launch(arm, args, root / f"{arm}-{r}", target=None, overrides={},
                                              learning_rate=peer_lrs[arm]))
                     print(f"[pair {r}] {PEER_ARMS[arm]}: eval {peers[arm][-1].evals[-1][2]:.4f}", flush=True)
-                except ArmFailed as failure:  # a peer's optimizer that does not import fails its own arm alone
-                    failed[arm] = failure.reason
-                    print(f"[pair {r}] {PEER_ARMS[arm]}: failed, not run again: {failure.reason}", flush=True)
+            except ArmFailed as failure:
+                # A peer's optimizer that does not import fails its own arm alone; the Trainer's or the hybrid's
+                # failure ends the benchmark, its report saying so rather than leaving the arm as not yet run.
+                failed[arm] = failure.reason
+                print(f"[pair {r}] the {arm} arm failed: {failure.reason}", flush=True)
+                fatal = failure if arm in ("baseline", "hybrid") else None
             if len(baselines) == r + 1:  # a hybrid run first waits for its pair's target
                 report = write_report(args, root, settings, overrides, lr, swept_lr, peer_lrs, baselines, hybrids,
                                       peers, failed, not_run=order[ran:])
+            if fatal is not None:
+                raise fatal
         print(f"[pair {r}] baseline {base.train_seconds:.1f}s eval {target:.4f} | hybrid {hyb.train_seconds:.1f}s "
               f"eval {hyb.evals[-1][2]:.4f} reached={hyb.reached_step}", flush=True)
     print_table(report)
@@ -204,7 +212,8 @@ def write_report(args, root: Path, settings: dict, overrides: dict, lr: float, s
               "targets": targets, "overrides": overrides, "preset_settings": settings,
               "learning_rate": lr, "lr_scale": args.lr_scale, "swept_learning_rate": swept_lr,
               "baseline": [summarize(b, t) for b, t in zip(baselines, targets)],
-              "hybrid": [summarize(h, t) for h, t in zip(hybrids, targets)], "environment": environment(),
+              "hybrid": [summarize(h, t) for h, t in zip(hybrids, targets)],
+              "environment": environment(device=baselines[0].device), "pairs_asked": args.repeats,
               "failed_arms": failed, "not_run": not_run}
     for name, results in ((n, r) for n, r in peers.items() if r):
         report[name] = [summarize(a, t) for a, t in zip(results, targets)]
@@ -257,7 +266,8 @@ def sweep(args, root: Path, overrides: dict) -> None:
     best = min(rows, key=lambda row: row["final_eval_loss"])
     out = root / f"sweep-{args.sweep_arm}.json"
     out.write_text(json.dumps({"preset": args.preset, "seed": args.seed, "arm": args.sweep_arm, "runs": rows,
-                               "best_learning_rate": best["learning_rate"], "environment": environment()}, indent=2))
+                               "best_learning_rate": best["learning_rate"],
+                               "environment": environment(device=arm.device)}, indent=2))
     print(f"\n{args.preset} learning-rate sweep of the {args.sweep_arm} arm, seed {args.seed} (final eval loss):")
     for row in rows:
         print(f"  lr {row['learning_rate']:<8g} {row['final_eval_loss']:.4f}{'  <- best' if row is best else ''}")

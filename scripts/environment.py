@@ -9,10 +9,12 @@ import sys
 from pathlib import Path
 
 
-def environment() -> dict:
+def environment(device: str | None = None) -> dict:
     """The command that made a result, and what it depends on beyond it: the library's commit (and whether its files
     differed from it), its behaviour version, the versions, and the processor. Two records that disagree can then be
-    told apart by these before anything else (two on record do not reproduce: run 200's and session 27's survey)."""
+    told apart by these before anything else (two on record do not reproduce: run 200's and session 27's survey).
+    `device`: the GPU's name as an arm's process read it, so that a parent that only launches arms never makes a CUDA
+    context of its own beside theirs; read here where not given."""
     import accelerate
     import torch
     import transformers
@@ -39,7 +41,7 @@ def environment() -> dict:
             "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
             "accelerate": accelerate.__version__, "cpu": cpu, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "torch_threads": torch.get_num_threads(),
-            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+            "device": device or (torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")}
 
 
 def _read_lines(path: str) -> list[str]:

@@ -53,8 +53,10 @@ def part_rows(report: dict) -> list[dict]:
 
 def render(name: str, report: dict, rows: list[dict]) -> list[str]:
     env = report.get("environment", {})
+    asked = report.get("pairs_asked", report["repeats"])
+    pairs = f"{report['repeats']} pair(s)" if asked == report["repeats"] else f"{report['repeats']} of {asked} pairs"
     lines = [f"{name}: {report['preset']} on {env.get('device', '?')}, lr {report['learning_rate']:g}, "
-             f"{report['repeats']} pair(s), target {_targets(report)} (the same-LR Trainer's final loss)",
+             f"{pairs}, target {_targets(report)} (the same-LR Trainer's final loss)",
              f"  {'arm':38} {'lr':>8} {'final':>7} {'updates':>8} {'wall':>8} {'G upd':>6} {'G wall':>6} {'tok/s':>8}"]
     for row in rows:
         lines.append(f"  {LABELS[row['arm']]:38} {row['learning_rate']:8.2g} {row['final_eval_loss']:7.4f} "
@@ -66,7 +68,8 @@ def render(name: str, report: dict, rows: list[dict]) -> list[str]:
     for arm, reason in report.get("failed_arms", {}).items():
         lines.append(f"  {LABELS[arm]:38} failed: {reason}")
     if report.get("not_run"):
-        lines.append(f"  cut off by the part's limit before: {', '.join(LABELS[arm] for arm in report['not_run'])}")
+        lines.append(f"  not run (cut off by the part's limit, or after a failure): "
+                     f"{', '.join(LABELS[arm] for arm in report['not_run'])}")
     stats = report["hybrid"][0].get("hybrid_stats") if report.get("hybrid") else None
     if stats:
         lines.append(f"  hybrid: lr scale {stats.get('lr_scale')}, {stats.get('lr_readings')} readings, "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -171,7 +172,7 @@ def test_a_peer_that_fails_is_named_and_a_part_cut_off_keeps_the_arms_it_ran(tmp
     shadow = tmp_path / "shadow"
     (shadow / "prodigyopt").mkdir(parents=True)
     (shadow / "prodigyopt" / "__init__.py").write_text("raise ImportError('prodigyopt is shadowed for this test')\n")
-    monkeypatch.setenv("PYTHONPATH", f"{shadow}:{sys.path[0]}")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(shadow), os.environ.get("PYTHONPATH")])))
 
     class CutOff(Exception):
         pass
@@ -209,5 +210,39 @@ def test_a_peer_that_fails_is_named_and_a_part_cut_off_keeps_the_arms_it_ran(tmp
     gpu_summary.main()
     table = capsys.readouterr().out
     assert "Prodigy" in table and "failed: ImportError: prodigyopt is shadowed for this test" in table
-    assert "cut off by the part's limit before: Mechanic" in table
+    assert "not run (cut off by the part's limit, or after a failure): Mechanic" in table
     assert [line.split()[0] for line in table.splitlines()[2:5]] == ["Trainer", "HybridHFTrainer", "Trainer"]
+
+
+def test_a_failed_hybrid_ends_the_benchmark_with_its_error_and_the_report_says_so(tmp_path, monkeypatch, capsys):
+    """The Trainer's or the hybrid's failure still ends the benchmark with the arm's own error text, and the report
+    written after it names the failure, not a cut-off, with the pairs asked beside the pairs run."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    import benchmark
+    import gpu_summary
+
+    def launch(*args, **kwargs):
+        if args[0] == "hybrid":
+            raise benchmark.ArmFailed("hybrid", "Traceback (most recent call last):\nRuntimeError: out of memory\n")
+        return real_launch(*args, **kwargs)
+
+    real_launch = benchmark.launch
+    monkeypatch.setattr(benchmark, "launch", launch)
+    work = tmp_path / "work"
+    monkeypatch.setattr(sys, "argv", ["benchmark.py", "--preset", "smoke", "--repeats", "2", "--max_steps", "8",
+                                      "--output_dir", str(work / "cost")])
+    try:
+        benchmark.main()
+    except SystemExit as ended:
+        assert "the hybrid arm failed:" in str(ended.code) and "RuntimeError: out of memory" in str(ended.code)
+    else:
+        raise AssertionError("the benchmark went on past a failed hybrid arm")
+    report = json.loads((work / "cost" / "smoke-speed" / "report.json").read_text())
+    assert report["failed_arms"] == {"hybrid": "RuntimeError: out of memory"} and report["not_run"] == []
+    assert (report["repeats"], report["pairs_asked"], report["hybrid"]) == (1, 2, [])
+
+    capsys.readouterr()
+    monkeypatch.setattr(sys, "argv", ["gpu_summary.py", str(work)])
+    gpu_summary.main()
+    table = capsys.readouterr().out
+    assert "1 of 2 pairs" in table and "HybridHFTrainer" in table and "failed: RuntimeError: out of memory" in table
