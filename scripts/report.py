@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from itertools import accumulate
 from pathlib import Path
 
 from arms import ArmResult
@@ -281,11 +282,7 @@ def plot(root: Path, baseline: ArmResult, hybrid: ArmResult, target: float) -> N
     trace_path = root / "hybrid-0" / "hybrid_trace.jsonl"
     trace = [json.loads(line) for line in trace_path.read_text().splitlines()] if trace_path.exists() else []
     # The trace's clock includes evaluation pauses; put each step on the training-only clock of the arm.
-    train_clock, elapsed = [], 0.0
-    for seconds in hybrid.step_seconds:
-        elapsed += seconds
-        train_clock.append(elapsed)
-    for row, t in zip(trace, train_clock):
+    for row, t in zip(trace, accumulate(hybrid.step_seconds)):
         row["time"] = t
     fig, ax = plt.subplots(figsize=(9, 5))
     if trace:
