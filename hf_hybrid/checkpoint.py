@@ -2,10 +2,10 @@
 
 The state is one entry per stateful part of the run (the engine, the guard, the LR autopilot: `Stateful`), each its
 own `state_dict()`, written in two kinds of file. The parameter-sized tensors (the predictor's buffers, a jump's undo
-copy when one is open) go where the Trainer puts the weights: once per job when every rank holds the same ones (one
-process, DDP), one file per rank when each rank holds its own shards (FSDP2). The rest is small and partly rank-local
-(the batches a rolled-back jump will replay, the probe, the guard's reference batch), one file per rank; but a
-checkpoint saved in the autopilot's first 10 steps also holds its copy of the start weights there (1x the parameters).
+copy when one is open, the autopilot's copy of the start weights through its first 10 steps: `TENSOR_PATHS`) go where
+the Trainer puts the weights: once per job when every rank holds the same ones (one process, DDP), one file per rank
+when each rank holds its own shards (FSDP2). The rest is small and partly rank-local (the batches a rolled-back jump
+will replay, the probe, the guard's reference batch), one file per rank.
 """
 
 from __future__ import annotations
@@ -19,10 +19,12 @@ import torch
 HYBRID_STATE_NAME = "hybrid_state_rank{rank}.pt"
 HYBRID_TENSORS_NAME = "hybrid_tensors.pt"
 HYBRID_TENSOR_SHARDS_NAME = "hybrid_tensors_rank{rank}.pt"
-TENSOR_KEYS = ("predictor", "snapshot")  # the parameter-sized parts of the engine's state
-# The layout of the hybrid state. Raised with any change to what a part saves, so that a checkpoint of another
+# Where the parameter-sized entries sit in the state, by part: each is written to the tensors file under its dotted
+# path and put back there on loading. A part the run does not have (no autopilot) has none.
+TENSOR_PATHS = (("engine", "predictor"), ("engine", "snapshot"), ("lr_autopilot", "alignment", "start"))
+# The layout of the hybrid state. Raised with any change to what a part saves, or where, so that a checkpoint of another
 # layout is refused by name instead of loaded with defaults guessed for what it lacks.
-FORMAT_VERSION = 7
+FORMAT_VERSION = 8
 
 
 class Stateful(Protocol):
@@ -45,9 +47,10 @@ def save_hybrid_state(output_dir: str, rank: int, state: dict, sharded: bool, wr
     # Every rank writes here, and the Trainer may not have made the folder yet on this one: under DDP, rank 1's save
     # would fail with "Parent directory ... does not exist" (tests/test_ddp.py).
     os.makedirs(output_dir, exist_ok=True)
-    engine = dict(state["engine"])
-    tensors = {key: engine.pop(key) for key in TENSOR_KEYS}
-    state = dict(state, engine=engine, format_version=FORMAT_VERSION)
+    state, tensors = dict(state, format_version=FORMAT_VERSION), {}
+    for path in TENSOR_PATHS:
+        if path[0] in state:
+            tensors[".".join(path)] = _pop_path(state, path)
     torch.save(state, os.path.join(output_dir, HYBRID_STATE_NAME.format(rank=rank)))
     if sharded:
         torch.save(tensors, os.path.join(output_dir, HYBRID_TENSOR_SHARDS_NAME.format(rank=rank)))
@@ -76,8 +79,25 @@ def find_hybrid_state(checkpoint: str, rank: int) -> dict | None:
     for name in (HYBRID_TENSOR_SHARDS_NAME.format(rank=rank), HYBRID_TENSORS_NAME):
         tensors = os.path.join(checkpoint, name)
         if os.path.isfile(tensors):
-            state["engine"].update(load_hybrid_state(tensors))
+            for name, value in load_hybrid_state(tensors).items():
+                *parents, key = name.split(".")
+                _dict_at(state, parents)[key] = value
             break
+    return state
+
+
+def _pop_path(state: dict, path: tuple[str, ...]) -> object:
+    """Take the entry at `path` out of `state`, copying the dicts along it: the parts' own dicts stay whole."""
+    node = state
+    for key in path[:-1]:
+        node[key] = dict(node[key])
+        node = node[key]
+    return node.pop(path[-1])
+
+
+def _dict_at(state: dict, keys: list[str]) -> dict:
+    for key in keys:
+        state = state[key]
     return state
 
 

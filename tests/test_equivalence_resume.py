@@ -10,7 +10,7 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 from hf_hybrid import HybridHFTrainer
-from hf_hybrid.checkpoint import FORMAT_VERSION, find_hybrid_state
+from hf_hybrid.checkpoint import FORMAT_VERSION, find_hybrid_state, load_hybrid_state, save_hybrid_state
 
 from .conftest import hybrid_args, make_trainer, reject_every_jump, tiny_gpt2, token_dataset
 
@@ -154,8 +154,9 @@ def check_resume_mid_predict(tmp_path, **extra) -> tuple[HybridHFTrainer, Hybrid
 # The keys of the hybrid state each layout saves (a run with the defaults: the guard, the autopilot, the outer jumps),
 # as a digest of `key_paths`. A change to what any part saves changes it; then raise checkpoint.FORMAT_VERSION, so an
 # older checkpoint is refused by name instead of failing on a missing key, and record the new digest here.
+# Layout 8 holds layout 7's keys, the autopilot's start weights moved from each rank's file to the tensors file.
 LAYOUT_DIGESTS = {3: "4a397d8a72dc07a7", 4: "2ec0e85ca1381da8", 5: "b7e519160ff6955e", 6: "3dffda9559e09cdd",
-                  7: "bc1a1aed2dc09f9a"}
+                  7: "bc1a1aed2dc09f9a", 8: "bc1a1aed2dc09f9a"}
 
 
 def key_paths(value, prefix: str = "") -> set[str]:
@@ -176,3 +177,21 @@ def test_what_the_hybrid_state_holds_changes_only_with_its_format_version(tmp_pa
     assert LAYOUT_DIGESTS.get(FORMAT_VERSION) == digest, (
         f"the hybrid state's keys are not layout {FORMAT_VERSION}'s (digest {digest}): raise FORMAT_VERSION in "
         "hf_hybrid/checkpoint.py and record the digest in LAYOUT_DIGESTS")
+
+
+def test_the_autopilots_start_weights_are_written_once_per_job_beside_the_other_parameter_sized_state(tmp_path):
+    """Saved in the autopilot's first 10 steps, its copy of the start weights (1x the parameters) goes to the tensors
+    file, which under DDP one rank writes for all, not into each rank's own file; every rank reads it back."""
+    start = {"valid": True, "tensors": [torch.ones(4)]}
+    state = {"engine": {"predictor": {"buf": [torch.zeros(4)]}, "snapshot": None, "step": 3}, "guard": {"n": 1},
+             "lr_autopilot": {"alignment": {"window": [0.1, 2.0], "closed": False, "start": start}, "read_every": 10}}
+    for rank in (0, 1):  # DDP: every rank saves; rank 0 writes what they hold alike
+        save_hybrid_state(str(tmp_path), rank, state, sharded=False, writes_replicated=rank == 0)
+    assert state["lr_autopilot"]["alignment"]["start"] is start and "predictor" in state["engine"]  # left whole
+    own = load_hybrid_state(str(tmp_path / "hybrid_state_rank1.pt"))
+    assert "start" not in own["lr_autopilot"]["alignment"] and "predictor" not in own["engine"]
+    for rank in (0, 1):
+        loaded = find_hybrid_state(str(tmp_path), rank)
+        assert torch.equal(loaded["lr_autopilot"]["alignment"]["start"]["tensors"][0], torch.ones(4))
+        assert loaded["engine"]["step"] == 3 and torch.equal(loaded["engine"]["predictor"]["buf"][0], torch.zeros(4))
+        assert loaded["lr_autopilot"]["read_every"] == 10 and loaded["guard"] == {"n": 1}
