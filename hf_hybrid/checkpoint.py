@@ -79,8 +79,8 @@ def find_hybrid_state(checkpoint: str, rank: int) -> dict | None:
     for name in (HYBRID_TENSOR_SHARDS_NAME.format(rank=rank), HYBRID_TENSORS_NAME):
         tensors = os.path.join(checkpoint, name)
         if os.path.isfile(tensors):
-            for name, value in load_hybrid_state(tensors).items():
-                *parents, key = name.split(".")
+            for dotted, value in load_hybrid_state(tensors).items():
+                *parents, key = dotted.split(".")
                 _dict_at(state, parents)[key] = value
             break
     return state
@@ -96,6 +96,7 @@ def _pop_path(state: dict, path: tuple[str, ...]) -> object:
 
 
 def _dict_at(state: dict, keys: list[str]) -> dict:
+    """The dict at `keys` inside `state`, where a loaded tensor entry goes back."""
     for key in keys:
         state = state[key]
     return state
