@@ -10,6 +10,7 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from .guard.rules import Action
     from .jumps.engine import HybridEngine, StepRecord
 
 TRACE_NAME = "hybrid_trace.jsonl"
@@ -36,12 +37,12 @@ class StepTrace:
     def elapsed(self) -> float:
         return time.perf_counter() - self.t0
 
-    def write_step(self, step: int, record: StepRecord, engine: HybridEngine, guard_action: str | None,
+    def write_step(self, step: int, record: StepRecord, engine: HybridEngine, guard_action: Action | None,
                    probe_line: tuple | None, raise_verdict: tuple | None, lr: float) -> None:
         """The row of the optimizer step that just ended (`record`: the engine's record of it)."""
         row = {"step": step, "phase": record.phase.value, "loss": record.loss, "time": self.elapsed(),
                "confidence": engine.confidence, "prediction_error": engine.predictor.last_residual,
-               "rollback": record.rollback, "guard": guard_action, "probe_line": probe_line,
+               "rollback": record.rollback, "guard": guard_action and guard_action.value, "probe_line": probe_line,
                "raise_verdict": raise_verdict, "lr": lr}
         self._file.write(json.dumps(row) + "\n")
 

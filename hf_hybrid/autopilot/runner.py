@@ -20,6 +20,7 @@ import time
 import torch
 from transformers.utils import logging
 
+from ..guard.rules import Action
 from ..guard.runner import GuardAtLoop
 from ..loop.adam_state import unreadable_optimizer
 from ..loop.replay import move_batch
@@ -122,8 +123,7 @@ class LrAutopilot:
         scheduler._last_lr = [float(group["lr"]) for group in self.trainer.optimizer.param_groups]
 
     def _schedule_factor(self) -> float:
-        scheduler = self._scheduler
-        return schedule_factor(scheduler.lr_lambdas, scheduler.last_epoch)
+        return schedule_factor(self._scheduler.lr_lambdas, self._scheduler.last_epoch)
 
     def _raises_end(self) -> int:
         """Where the scale stops being judged: the cooldown's start, else the run's end."""
@@ -166,15 +166,15 @@ class LrAutopilot:
         freeze_ending = start - READ_EVERY <= self._scheduler.last_epoch < start
         return self.scale.on_trial or not self._frozen() or freeze_ending
 
-    def end_step(self, step: int, real_step: bool, guard_action: str | None) -> None:
+    def end_step(self, step: int, real_step: bool, guard_action: Action | None) -> None:
         """At an optimizer step's end: act on a guard flag, and every few real steps read the next step's line."""
         scale, before = self.scale, self.scale.scale
         replay = self.trainer.hybrid_engine.replay
         self.last_line = self.last_verdict = None
         if guard_action is not None:
             replay.end_trial()  # the guard dropped batches inside the trial; they are not given back
-            scale.guard_flagged(weights_damaged=guard_action == "rollback")
-        if guard_action != "rollback" and self._wants_reading(step, real_step):
+            scale.guard_flagged(weights_damaged=guard_action is Action.ROLLBACK)
+        if guard_action is not Action.ROLLBACK and self._wants_reading(step, real_step):
             started = self._clock()
             had_rate = scale.last_loss is not None  # a first reading, or one after a rollback, asks for nothing yet
             trainer = self.trainer

@@ -177,7 +177,7 @@ class GuardAtLoop:
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         return total, torch.nn.utils.get_total_norm(grads)
 
-    def end_step(self, control: TrainerControl) -> str | None:
+    def end_step(self, control: TrainerControl) -> Action | None:
         """At the step's end: carry out a pending verdict; returns what was done, for the trace."""
         if self.pending is None:
             return None
@@ -186,7 +186,7 @@ class GuardAtLoop:
         if scaler_state is not None:
             self.trainer.accelerator.scaler.load_state_dict(scaler_state)
         self._act(event, control)
-        return event.action.value
+        return event.action
 
     def _act(self, event: GuardEvent, control: TrainerControl) -> None:
         """Carry out a flagged step's verdict: the skip is done (vetoed, made up); a rollback or a stop puts the last
