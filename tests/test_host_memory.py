@@ -8,8 +8,10 @@ import logging
 import sys
 
 import pytest
+import torch
 from transformers import TrainerCallback
 
+from hf_hybrid.checkpoint import HYBRID_TENSORS_NAME, load_hybrid_state
 from hf_hybrid.jumps.predictors import outer
 from hf_hybrid.memory import host_memory
 from hf_hybrid.memory.host_memory import available_host_bytes, rollback_state_bytes
@@ -37,9 +39,9 @@ class HostBytes(TrainerCallback):
 def long_cycles(tmp_path, **overrides):
     """Outer cycles of 8 real steps with a guard snapshot due every 3 and a save at step 20: the guard takes copies
     of the weights of its own while the momentum of kept jumps exists."""
-    return make_trainer(tmp_path, hybrid_predictor="outer", hybrid_outer_period=8, hybrid_guard_snapshot_steps=3,
-                        hybrid_guard_window=16, hybrid_payoff_check=True, max_steps=40, save_strategy="steps",
-                        save_steps=20, **overrides)
+    values = dict(hybrid_predictor="outer", hybrid_outer_period=8, hybrid_guard_snapshot_steps=3,
+                  hybrid_guard_window=16, hybrid_payoff_check=True, max_steps=40, save_strategy="steps", save_steps=20)
+    return make_trainer(tmp_path, **{**values, **overrides})
 
 
 def test_the_rollback_state_never_holds_more_than_its_bound_and_reaches_it(tmp_path, monkeypatch):
@@ -59,6 +61,39 @@ def test_the_rollback_state_never_holds_more_than_its_bound_and_reaches_it(tmp_p
     assert max(held) == final.at_most, held
     assert min(held) == 0 and sorted(set(held))[1:] == [k * final.params for k in (3, 4, 5)], sorted(set(held))
 
+
+
+def tensors_in(state) -> list[torch.Tensor]:
+    if isinstance(state, torch.Tensor):
+        return [state]
+    items = state.values() if isinstance(state, dict) else state if isinstance(state, list | tuple) else ()
+    return [tensor for item in items for tensor in tensors_in(item)]
+
+
+@pytest.mark.parametrize("autopilot", [True, False])
+def test_a_checkpoint_adds_at_most_twice_the_parameters(tmp_path, monkeypatch, autopilot):
+    """Saved at every step, a checkpoint's parameter-sized state is the outer anchor, and its momentum once a jump is
+    kept, or with the autopilot the start weights through step 10, before any jump: never more than 2P, the bound
+    docs/how-it-works.md states; a rank's own file holds none of it (under DDP it would be N copies)."""
+    keep_every_jump(monkeypatch)
+    trainer = long_cycles(tmp_path, hybrid_lr_autopilot=autopilot, save_steps=1, max_steps=24)
+    shapes = {tuple(p.shape) for p in trainer.model.parameters()}
+    params = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
+    trainer.train()
+    added = {}
+    for folder in tmp_path.glob("checkpoint-*"):
+        own = tensors_in(load_hybrid_state(str(folder / "hybrid_state_rank0.pt")))
+        assert not [t.shape for t in own if tuple(t.shape) in shapes and t.is_floating_point()], folder.name
+        tensors = tensors_in(load_hybrid_state(str(folder / HYBRID_TENSORS_NAME)))
+        held = sum(t.numel() * t.element_size() for t in tensors)
+        added[int(folder.name.split("-")[1])] = held / params
+    added = dict(sorted(added.items()))
+    assert len(added) >= 24 and max(added.values()) == 2 and set(added.values()) <= {0, 1, 2}, added
+    if autopilot:  # the start weights from step 1, the anchor from step 2 (the first cycle's start), until step 10
+        assert [added[step] for step in range(1, 11)] == [1] + [2] * 8 + [1], added
+    else:
+        assert trainer.hybrid_stats()["predictions_kept"] >= 1, added
+        assert max(multiple for step, multiple in added.items() if step < 8) == 1, added  # no momentum before a jump
 
 def test_a_run_whose_rollback_state_may_not_fit_is_told_once(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr("hf_hybrid.guard.runner.available_host_bytes", lambda: 1)
