@@ -8,7 +8,7 @@ import torch
 from transformers import TrainerCallback
 
 from hf_hybrid import HybridHFTrainer
-from hf_hybrid.autopilot.alignment import ALIGNED, FIRST_STEP, LAST_STEP, OPPOSED, STRONGLY_ALIGNED
+from hf_hybrid.autopilot.alignment import FIRST_STEP, LAST_STEP
 from hf_hybrid.autopilot.scale import MAX_ALIGNED_RAISE, MAX_RAISE, MAX_SCALE, MAX_STRONGLY_ALIGNED_RAISE, LrScale
 
 from .conftest import hybrid_args, make_trainer, tiny_gpt2, token_dataset
@@ -49,9 +49,9 @@ def test_the_alignment_is_the_gradients_cosine_with_the_way_come_negated_over_it
     window = [signal.by_step[step] for step in range(FIRST_STEP, LAST_STEP + 1)]
     alignment = trainer._lr_autopilot.alignment
     assert trainer.hybrid_stats()["lr_start_alignment"] == pytest.approx(sum(window) / len(window), abs=1e-5)
-    assert alignment.count == len(window) and alignment.aligned == (alignment.mean >= ALIGNED)
-    assert alignment.strongly_aligned == (alignment.mean >= STRONGLY_ALIGNED)
-    assert alignment.opposed == (alignment.mean < OPPOSED) and alignment.opposed is not alignment.aligned
+    assert alignment.count == len(window)
+    # 30x below the LR the other tests train this model at, the gradient keeps pointing on along the way come (0.17).
+    assert alignment.aligned and not alignment.opposed
     assert not alignment.start.valid and alignment.start.tensors is None  # the start's copy is gone after the window
 
 
