@@ -1,5 +1,5 @@
 # Two commands on a fresh machine: `make demo` (set up, then the guard against injected faults and the speed A/B at the
-# learning rate a user runs without a sweep, about 2 minutes on 2 cores) and `make test`.
+# learning rate a user runs without a sweep, under 3 minutes on 2 cores) and `make test`.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
