@@ -12,7 +12,7 @@ export TOKENIZERS_PARALLELISM := false
 # pip's own chatter (and setuptools' notice that an editable install imports from this folder, which is the point of
 # it) goes to the log; a failure prints it.
 $(BIN)/.installed: pyproject.toml
-	@echo "installing into $(VENV) (about a minute; log: $(VENV)/install.log)"
+	@echo "installing into $(VENV) (a minute or two; log: $(VENV)/install.log)"
 	@$(PYTHON) -m venv $(VENV)
 	@# The CPU wheel first; the `torch>=2.4` requirement is then already satisfied.
 	@( $(BIN)/pip install -q --upgrade pip && $(BIN)/pip install -q torch==2.13.0 && \
