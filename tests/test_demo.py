@@ -52,3 +52,22 @@ def test_the_speed_arm_stops_at_its_first_evaluation_at_the_target(tmp_path):
     arm = speed_arm("hybrid", preset, preset["learning_rate"], 0, tmp_path, progress=print, target=float("inf"))
     assert preset["eval_steps"] < preset["max_steps"]
     assert [e[0] for e in arm["evals"]] == [preset["eval_steps"]]
+
+
+def test_the_swept_lr_line_quotes_a_report_of_the_demos_current_preset_alone(tmp_path, monkeypatch):
+    """The screen's "at the swept LR" line is read from a kept report; one recorded on another preset (the demo's
+    blocks of 64 tokens before, say) or another behaviour version is a different run and is not quoted."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    import demo
+    from presets import DEMO_SWEPT_REPORT
+
+    kept = json.loads((demo.ROOT / DEMO_SWEPT_REPORT).read_text())
+    assert demo.recorded_swept_result("demo")["path"] == DEMO_SWEPT_REPORT  # the kept report is current
+    stale_reports = (dict(kept, preset=dict(kept["preset"], block_size=64)),
+                     {k: v for k, v in kept.items() if k != "preset"},
+                     dict(kept, environment=dict(kept["environment"], behaviour_version=0)))
+    for stale in stale_reports:
+        (tmp_path / DEMO_SWEPT_REPORT).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / DEMO_SWEPT_REPORT).write_text(json.dumps(stale))
+        monkeypatch.setattr(demo, "ROOT", tmp_path)
+        assert demo.recorded_swept_result("demo") is None
