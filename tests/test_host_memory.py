@@ -62,7 +62,6 @@ def test_the_rollback_state_never_holds_more_than_its_bound_and_reaches_it(tmp_p
     assert min(held) == 0 and sorted(set(held))[1:] == [k * final.params for k in (3, 4, 5)], sorted(set(held))
 
 
-
 def tensors_in(state) -> list[torch.Tensor]:
     if isinstance(state, torch.Tensor):
         return [state]
@@ -73,8 +72,8 @@ def tensors_in(state) -> list[torch.Tensor]:
 @pytest.mark.parametrize("autopilot", [True, False])
 def test_a_checkpoint_adds_at_most_twice_the_parameters(tmp_path, monkeypatch, autopilot):
     """Saved at every step, a checkpoint's parameter-sized state is the outer anchor, and its momentum once a jump is
-    kept, or with the autopilot the start weights through step 10, before any jump: never more than 2P, the bound
-    docs/how-it-works.md states; a rank's own file holds none of it (under DDP it would be N copies)."""
+    kept, or with the autopilot the start weights in a checkpoint of steps 1-9, before any jump: never more than 2P,
+    the bound docs/how-it-works.md states; a rank's own file holds none of it (under DDP it would be N copies)."""
     keep_every_jump(monkeypatch)
     trainer = long_cycles(tmp_path, hybrid_lr_autopilot=autopilot, save_steps=1, max_steps=24)
     shapes = {tuple(p.shape) for p in trainer.model.parameters()}
@@ -94,6 +93,7 @@ def test_a_checkpoint_adds_at_most_twice_the_parameters(tmp_path, monkeypatch, a
     else:
         assert trainer.hybrid_stats()["predictions_kept"] >= 1, added
         assert max(multiple for step, multiple in added.items() if step < 8) == 1, added  # no momentum before a jump
+
 
 def test_a_run_whose_rollback_state_may_not_fit_is_told_once(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr("hf_hybrid.guard.runner.available_host_bytes", lambda: 1)
