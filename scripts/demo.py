@@ -2,9 +2,9 @@
 
 1. The guard saving a run: the Trainer with injected faults (a window of random-label batches, a 100x learning-rate
    spike, a NaN loss) against HybridHFTrainer with the same faults, and a clean Trainer as the reference.
-2. Speed where a jump pays: the Trainer against HybridHFTrainer with the outer-momentum predictor, both at one fifth of
-   the preset's swept learning rate (the LR a user runs without a sweep), timed to the Trainer's final eval loss; the
-   swept-LR result is quoted beside it from its recorded report.
+2. Speed at the LR a user runs without a sweep: the Trainer against HybridHFTrainer with its defaults (the LR
+   autopilot, and jumps where they pay), both at one fifth of the preset's swept learning rate, timed to the Trainer's
+   final eval loss; the swept-LR result is quoted beside it from its recorded report.
 
 Everything runs in this process on one tokenized copy of the shipped corpus; reports and plots go to --output_dir:
     python scripts/demo.py                 # the demo preset
@@ -192,7 +192,7 @@ def summary(faults_report: dict, speed: dict, swept: dict | None, out: Path, sec
         f"SPEED   the LR a user runs without a sweep: {speed['learning_rate']:.2g}, 1/5 of the swept "
         f"{speed['swept_learning_rate']:.2g}; the hybrid with its defaults (the LR autopilot on)",
         f"  time to the Trainer's final eval loss ({speed['target']:.3f}): Trainer {times['baseline']:.1f} s, "
-        f"HybridHFTrainer (outer momentum) " + ("-" if times["hybrid"] is None else f"{times['hybrid']:.1f} s")
+        f"HybridHFTrainer " + ("-" if times["hybrid"] is None else f"{times['hybrid']:.1f} s")
         + f": {result}",
         f"  {stats['predictions_kept']} of {stats['predictions_judged']} jumps kept, worth about "
         f"{stats['jump_worth_steps']:.0f} real steps" if stats["predictions_judged"] else "  no jump was judged",
@@ -220,7 +220,7 @@ def plot_speed(out: Path, speed: dict) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for arm, style, label in (("baseline", "k-o", "Trainer"), ("hybrid", "C3-s", "HybridHFTrainer (outer momentum)")):
+    for arm, style, label in (("baseline", "k-o", "Trainer"), ("hybrid", "C3-s", "HybridHFTrainer (defaults)")):
         evals = speed["arms"][arm]["evals"]
         ax.plot([e[1] for e in evals], [e[2] for e in evals], style, ms=3, label=label)
     ax.axhline(speed["target"], color="grey", ls="--", lw=1, label="target: the Trainer's final eval loss")
