@@ -31,8 +31,9 @@ PRESETS = {
         block_size=512, batch_size=8, grad_accum=1, max_steps=600, eval_steps=50, early_eval_steps=10, eval_blocks=128,
         learning_rate=6e-4, warmup_steps=50, weight_decay=0.1, optim="adamw_torch_fused", bf16=True, hybrid=dict(),
     ),
-    # gpt2-124m's model and arms on 2 CPU cores: blocks of 64 tokens (a step of 512 tokens takes about 5.5 s here,
-    # against 4096 tokens on the GPU), 150 steps. Its learning_rate is the GPU preset's tuned one, not swept here.
+    # gpt2-124m's model and arms on 2 CPU cores: blocks of 64 tokens (a step of 512 tokens, against the GPU's 4096),
+    # 150 steps. Its learning_rate is the GPU preset's tuned one; at this batch 2e-4 ends lower (docs/benchmarks.md,
+    # "GPT-2 124M's shape at the LR a user types, on the CPU").
     "cpu-124m": dict(
         model=dict(),
         block_size=64, batch_size=8, grad_accum=1, max_steps=150, eval_steps=25, early_eval_steps=10, eval_blocks=64,
